@@ -1,0 +1,270 @@
+"""ZeroEngine: ZeRO stages 0-3 around an unmodified ``nn.Module`` and a torch optimizer.
+
+A training step reads like plain PyTorch::
+
+    engine = zeroray.initialize(model, torch.optim.AdamW(model.parameters()), config={"zero_optimization": {"stage": 3}})
+    loss = engine(x).loss
+    engine.backward(loss)   # scales by 1/accumulation (and the fp16 loss scale), reduces grads
+    engine.step()           # optimizer on this rank's shard at accumulation boundaries
+
+Set-up, in order: validate everything (no communication yet), lay parameters out in flat groups,
+start all ranks from rank 0's weights, rebuild the optimizer over the shards, install hooks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zeroray.config import ZeroConfig
+from zeroray.engine import units as unit_plan
+from zeroray.engine.comm import Comm
+from zeroray.engine.fetch import UnitFetcher
+from zeroray.engine.flat_group import FlatGroup
+from zeroray.engine.loss_scaler import LossScaler
+from zeroray.engine.reducer import GradReducer
+from zeroray.engine.sharded_optim import (
+    OptimizerArg,
+    param_group_index,
+    shard_optimizer,
+    state_tensors,
+    template_optimizer,
+)
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class ZeroEngine:
+    """One rank's ZeRO engine. Build it with :func:`zeroray.initialize`."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: OptimizerArg = None,
+        config: ZeroConfig | dict | str | None = None,
+        process_group: dist.ProcessGroup | None = None,
+        lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+    ):
+        # ---- validation: everything that can be wrong fails here, before any communication
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        config = ZeroConfig.coerce(config)
+        if process_group is None and dist.is_available() and dist.is_initialized():
+            process_group = dist.group.WORLD
+        world = 1 if process_group is None else dist.get_world_size(process_group)
+        self.config = config = config.resolve_batch(world)
+        params = list(model.parameters())
+        if not params:
+            raise ValueError("the model has no parameters")
+        devices = {p.device for p in params}
+        if len(devices) != 1 or next(iter(devices)).type == "meta":
+            raise ValueError(f"all model parameters must be on one real device, found {sorted(map(str, devices))}")
+        self.device = next(iter(devices))
+        template = template_optimizer(model, optimizer, config)
+        group_of = param_group_index(model, template)
+        if lr_scheduler is not None and not callable(lr_scheduler):
+            raise TypeError("lr_scheduler must be a callable optimizer -> scheduler")
+
+        self.module = model
+        self.stage = config.stage
+        self.compute_dtype = _DTYPES[config.precision]
+        self.gradient_accumulation_steps = config.gradient_accumulation_steps
+        self.comm = Comm(process_group, config.reduce_scatter, config.all_gather_by_broadcast)
+        self.rank, self.world_size = self.comm.rank, self.comm.world_size
+        self.global_step = 0  # optimizer steps taken (skipped fp16 steps included)
+        self.micro_step = 0
+        self.skipped_steps = 0
+        self.last_grad_norm: float | None = None
+        self.loss_scaler = LossScaler(config)
+
+        # ---- layout
+        if self.stage == 3:
+            self.units = unit_plan.find_units(model, config.units)
+            plans = unit_plan.plan_units(model, self.units, group_of)
+        else:
+            self.units = []
+            plans = unit_plan.plan_buckets(model, group_of, config.reduce_bucket_size)
+        self.groups: list[FlatGroup] = []
+        group_unit: dict[FlatGroup, int | None] = {}
+        for plan in plans:
+            dtype = self.compute_dtype if plan.params[0][1].is_floating_point() else plan.params[0][1].dtype
+            g = FlatGroup(
+                plan.name,
+                plan.params,
+                self.comm,
+                stage=self.stage,
+                compute_dtype=dtype,
+                trainable=plan.param_group is not None,
+                param_group=plan.param_group,
+            )
+            g.sync_from_rank0()
+            g.install(master_dtype=torch.float32 if dtype.is_floating_point else dtype)
+            self.groups.append(g)
+            group_unit[g] = plan.unit
+        with torch.no_grad():
+            for b in model.buffers():
+                if b.is_floating_point():
+                    b.data = b.data.to(self.compute_dtype)
+                self.comm.broadcast(b, src=0)
+
+        # ---- optimizer over the shards
+        self.optimizer, self._owner = shard_optimizer(template, self.groups)
+        if lr_scheduler is not None:
+            self.lr_scheduler = lr_scheduler(self.optimizer)
+        elif config.scheduler is not None:
+            from zeroray.engine.named_optim import build_scheduler
+
+            self.lr_scheduler = build_scheduler(config.scheduler, self.optimizer)
+        else:
+            self.lr_scheduler = None
+
+        # ---- hooks
+        self.fetcher = (
+            UnitFetcher(model, self.units, self.groups, group_unit, config.prefetch_bucket_size)
+            if self.stage == 3
+            else None
+        )
+        self.reducer = GradReducer(
+            self.groups,
+            stage=self.stage,
+            overlap=config.overlap_comm,
+            max_inflight=max(config.reduce_bucket_size, max(g.padded for g in self.groups)),
+            on_reduced=self.fetcher.on_reduced if self.fetcher else None,
+        )
+        self.comm.reset()  # the report counts training traffic, not set-up
+
+    # ------------------------------------------------------------------ training
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    forward = __call__
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """True when the current micro-step is the last of an accumulation cycle."""
+        return (self.micro_step + 1) % self.gradient_accumulation_steps == 0
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of ``loss / gradient_accumulation_steps`` (times the fp16 loss scale)."""
+        scale = self.loss_scaler.scale / self.gradient_accumulation_steps
+        self.reducer.begin(self.is_gradient_accumulation_boundary())
+        (loss * scale if scale != 1 else loss).backward()
+        self.reducer.finish()
+        if self.fetcher is not None:
+            self.fetcher.after_backward()
+
+    def step(self) -> None:
+        """Call after every micro-batch; applies the optimizer only at accumulation boundaries."""
+        boundary = self.is_gradient_accumulation_boundary()
+        self.micro_step += 1
+        if not boundary:
+            return
+        trainable = [g for g in self.groups if g.trainable]
+        grads = {g: g.grad_shard.float() if g.grad_shard.dtype != torch.float32 else g.grad_shard for g in trainable}
+        if self.loss_scaler.scale != 1.0:
+            inv = 1.0 / self.loss_scaler.scale
+            for t in grads.values():
+                t.mul_(inv)
+        overflow = False
+        if self.config.precision == "fp16":
+            local = any(not torch.isfinite(t).all() for t in grads.values())
+            overflow = self.comm.any_true(local, self.device)
+            self.loss_scaler.update(overflow)
+        if overflow:
+            self.skipped_steps += 1
+        else:
+            self._clip(grads)
+            for g, t in grads.items():
+                g.opt_param.grad = t
+            self.optimizer.step()
+            handles = [g.publish_master() for g in self.groups if g.trainable]
+            for h in handles:
+                h.wait()
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+        for g in trainable:
+            g.opt_param.grad = None
+            g.zero_grad()
+        self.global_step += 1
+
+    def _clip(self, grads: dict[FlatGroup, torch.Tensor]) -> None:
+        """Clip by the global norm over every rank's shard (one scalar all-reduce)."""
+        clip = self.config.gradient_clipping
+        if clip <= 0:
+            self.last_grad_norm = None
+            return
+        sq = torch.zeros(1, dtype=torch.float32, device=self.device)
+        for t in grads.values():
+            sq += t.pow(2).sum()
+        if self.stage > 0:
+            self.comm.sum_scalar(sq)
+        norm = sq.sqrt()
+        self.last_grad_norm = float(norm)
+        coef = torch.clamp(clip / (norm + 1e-6), max=1.0)
+        for t in grads.values():
+            t.mul_(coef)
+
+    # ------------------------------------------------------------------ state
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Collective: the full fp32 weights, {name: CPU tensor}, on every rank."""
+        out: dict[str, torch.Tensor] = {}
+        for g in self.groups:
+            mine = g.master_or_shard_fp32()
+            if g.shard_world == 1:
+                flat = mine
+            else:
+                flat = torch.empty(g.padded, dtype=mine.dtype, device=mine.device)
+                self.comm.all_gather(flat, mine).wait()
+            for slot in g.slots:
+                out[slot.name] = flat[slot.offset : slot.end].view(slot.shape).detach().cpu().clone()
+        return {n: out[n] for n, _ in self.module.named_parameters()}
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes this rank holds persistently, by category (master weights count under optimizer)."""
+        opt_state = sum(t.numel() * t.element_size() for t in state_tensors(self.optimizer, self._all_opt_params()))
+        report = {
+            "params": sum(g.param_bytes() for g in self.groups),
+            "grads": sum(g.grad_bytes() for g in self.groups),
+            "optimizer": sum(g.master_bytes() for g in self.groups) + opt_state,
+            "buffers": sum(b.numel() * b.element_size() for b in self.module.buffers()),
+        }
+        report["master_weights"] = sum(g.master_bytes() for g in self.groups)
+        report["optimizer_states"] = opt_state
+        report["total"] = report["params"] + report["grads"] + report["optimizer"] + report["buffers"]
+        return report
+
+    def _all_opt_params(self) -> list[nn.Parameter]:
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def comm_report(self) -> dict[str, int]:
+        """Cumulative bytes per collective kind since set-up or the last reset."""
+        return self.comm.report()
+
+    def reset_comm_report(self) -> None:
+        self.comm.reset()
+
+    def close(self) -> None:
+        """Remove every hook zeroray put on the model."""
+        self.reducer.remove()
+        if self.fetcher is not None:
+            self.fetcher.remove()
+
+
+def initialize(
+    model: nn.Module,
+    optimizer: OptimizerArg = None,
+    config: ZeroConfig | dict | str | None = None,
+    process_group: dist.ProcessGroup | None = None,
+    lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+) -> ZeroEngine:
+    """Wrap ``model`` and ``optimizer`` in a ZeRO engine on ``process_group`` (default: WORLD).
+
+    ``optimizer``: an optimizer over ``model.parameters()`` (rebuilt over this rank's shards), a
+    callable ``params -> Optimizer``, or None when ``config`` names one. ``config``: a ZeroConfig,
+    a DeepSpeed-style dict, or a path to a DeepSpeed JSON file. ``lr_scheduler``: a callable
+    ``optimizer -> scheduler`` (the optimizer it gets is the sharded one), stepped at boundaries.
+    """
+    return ZeroEngine(model, optimizer, config, process_group, lr_scheduler)

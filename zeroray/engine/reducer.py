@@ -1,0 +1,103 @@
+"""Gradient reduction during backward: parameter grads -> flat buckets -> reduced shards.
+
+A post-accumulate-grad hook on every trainable parameter copies its gradient into its group's
+flat gradient buffer (and drops ``param.grad``). When the last parameter of a group has arrived,
+the group's reduction is launched asynchronously, overlapping the rest of backward:
+
+- stages 0-1 accumulate into a persistent full buffer and reduce only on the accumulation
+  boundary (no communication on the other micro-steps);
+- stages 2-3 reduce every micro-step from a temporary buffer and keep only their shard.
+
+``finish()`` (end of backward) reduces groups whose parameters got no gradient, so every rank issues
+the same collectives, and waits for all. In-flight temporaries are bounded by
+``reduce_bucket_size`` elements so stage 2-3 never hold the full gradients at once.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+from functools import partial
+
+import torch
+
+from zeroray.engine.comm import Handle
+from zeroray.engine.flat_group import FlatGroup
+from zeroray.engine.layout import TensorSlot
+
+
+class GradReducer:
+    def __init__(
+        self,
+        groups: Sequence[FlatGroup],
+        *,
+        stage: int,
+        overlap: bool,
+        max_inflight: int,
+        on_reduced: Callable[[FlatGroup], None] | None = None,
+    ):
+        self.groups = [g for g in groups if g.trainable]
+        self.stage = stage
+        self.overlap = overlap
+        self.max_inflight = max_inflight
+        self.on_reduced = on_reduced
+        self.active = False
+        self.boundary = True
+        self._bufs: dict[FlatGroup, torch.Tensor] = {}
+        self._remaining: dict[FlatGroup, int] = {}
+        self._inflight: deque[tuple[Handle, int]] = deque()
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(partial(self._on_grad, g, slot))
+            for g in self.groups
+            for slot, p in zip(g.slots, g.params)
+        ]
+
+    def begin(self, boundary: bool) -> None:
+        """Start a backward pass; ``boundary``: this micro-step ends an accumulation cycle."""
+        self.active = True
+        self.boundary = boundary
+        self._remaining = {g: len(g.params) for g in self.groups}
+
+    @property
+    def _reduces_now(self) -> bool:
+        return self.stage >= 2 or self.boundary
+
+    def _on_grad(self, g: FlatGroup, slot: TensorSlot, p: torch.nn.Parameter) -> None:
+        if not self.active:
+            raise RuntimeError("zeroray: call engine.backward(loss), not loss.backward(), so the engine can scale and reduce gradients")
+        buf = self._bufs.get(g)
+        if buf is None:
+            buf = self._bufs[g] = g.new_grad_buffer()
+        buf[slot.offset : slot.end].add_(p.grad.reshape(-1))
+        p.grad = None
+        self._remaining[g] -= 1
+        if self._remaining[g] == 0 and self._reduces_now and self.overlap:
+            self._launch(g)
+
+    def _launch(self, g: FlatGroup) -> None:
+        buf = self._bufs.pop(g, None)
+        if buf is None:
+            buf = g.new_grad_buffer()
+        self._remaining[g] = -1  # launched
+        self._inflight.append((g.reduce(buf, async_op=True), g.padded))
+        while len(self._inflight) > 1 and sum(n for _, n in self._inflight) > self.max_inflight:
+            self._inflight.popleft()[0].wait()
+        if self.on_reduced is not None:
+            self.on_reduced(g)
+
+    def finish(self) -> None:
+        """End of backward: launch what is left, wait for every reduction."""
+        if not self.active:
+            return
+        if self._reduces_now:
+            for g in self.groups:
+                if self._remaining[g] != -1:
+                    self._launch(g)
+        while self._inflight:
+            self._inflight.popleft()[0].wait()
+        self.active = False
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
