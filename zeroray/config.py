@@ -7,6 +7,7 @@ finds what they know; :meth:`ZeroConfig.from_deepspeed` reads such a JSON file o
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -63,7 +64,7 @@ class ZeroConfig:
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
         """Raise ValueError naming the first bad field; called on construction."""
-        if self.stage not in (0, 1, 2, 3):
+        if isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeroConfig.stage must be 0, 1, 2 or 3, got {self.stage!r}")
         if self.precision not in ("fp32", "bf16", "fp16"):
             raise ValueError(f"ZeroConfig.precision must be 'fp32', 'bf16' or 'fp16', got {self.precision!r}")
@@ -73,7 +74,7 @@ class ZeroConfig:
                 raise ValueError(f"ZeroConfig.{name} must be a positive integer, got {v!r}")
         for name in ("reduce_bucket_size", "allgather_bucket_size", "prefetch_bucket_size"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"ZeroConfig.{name} must be a positive number of elements, got {v!r}")
         if self.gradient_clipping < 0:
             raise ValueError(f"ZeroConfig.gradient_clipping must be >= 0 (0 = off), got {self.gradient_clipping}")
@@ -108,6 +109,8 @@ class ZeroConfig:
         accumulation step. Only the micro batch: one accumulation step. Neither: accumulation as
         given (default 1) and batch sizes left unknown.
         """
+        if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+            raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
         tb, mb, gas = self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps
         ws = world_size
         if tb is not None and mb is not None and gas is not None:
@@ -146,7 +149,7 @@ class ZeroConfig:
 
     # ------------------------------------------------------------------ DeepSpeed JSON
     @classmethod
-    def from_deepspeed(cls, config: dict[str, Any] | str) -> ZeroConfig:
+    def from_deepspeed(cls, config: dict[str, Any] | str | os.PathLike[str]) -> ZeroConfig:
         """Read a DeepSpeed JSON config (a dict or a path); unsupported keys raise or warn by name."""
         from zeroray.deepspeed_config import parse_deepspeed
 
