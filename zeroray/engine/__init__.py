@@ -1,5 +1,5 @@
 """The ZeRO engine: plain PyTorch, no Ray. See :mod:`zeroray.engine.engine`."""
 
-from zeroray.engine.engine import ZeroEngine, initialize
+from zeroray.engine.engine import GroupShard, ZeroEngine, initialize
 
-__all__ = ["ZeroEngine", "initialize"]
+__all__ = ["GroupShard", "ZeroEngine", "initialize"]

@@ -14,6 +14,7 @@ start all ranks from rank 0's weights, rebuild the optimizer over the shards, in
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,9 +23,10 @@ from torch import nn
 
 from zeroray.config import ZeroConfig
 from zeroray.engine import units as unit_plan
-from zeroray.engine.comm import Comm
+from zeroray.engine.comm import Comm, Handle
 from zeroray.engine.fetch import UnitFetcher
 from zeroray.engine.flat_group import FlatGroup
+from zeroray.engine.layout import TensorSlot
 from zeroray.engine.loss_scaler import LossScaler
 from zeroray.engine.reducer import GradReducer
 from zeroray.engine.sharded_optim import (
@@ -34,6 +36,22 @@ from zeroray.engine.sharded_optim import (
     state_tensors,
     template_optimizer,
 )
+
+
+@dataclass(frozen=True)
+class GroupShard:
+    """One rank's part of one logical flat group (see :mod:`zeroray.engine.layout`)."""
+
+    name: str
+    slots: list[TensorSlot]
+    numel: int  # logical (unpadded) elements of the group
+    shard_world: int  # ranks the group is split over (1 at stage 0)
+    shard_rank: int
+    lo: int  # this rank's range of the padded group
+    hi: int
+    param_group: int | None  # optimizer param group, None = frozen
+    tensors: dict[str, torch.Tensor]
+
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -221,6 +239,88 @@ class ZeroEngine:
             for slot in g.slots:
                 out[slot.name] = flat[slot.offset : slot.end].view(slot.shape).detach().cpu().clone()
         return {n: out[n] for n, _ in self.module.named_parameters()}
+
+    def shard_state(self) -> list[GroupShard]:
+        """This rank's slices of every logical flat group: what a sharded checkpoint saves.
+
+        Each tensor is 1-D with ``hi - lo`` elements (padding included): the fp32 weights under
+        "weight", and each elementwise optimizer state (e.g. Adam's "exp_avg") under its key.
+        The tensors are live; copy them before training goes on.
+        """
+        out = []
+        for g in self.groups:
+            tensors = {"weight": g.master_or_shard_fp32()}
+            if g.trainable:
+                for k, v in self.optimizer.state.get(g.opt_param, {}).items():
+                    if torch.is_tensor(v) and v.dim() > 0:
+                        tensors[k] = v.reshape(-1)
+            out.append(GroupShard(g.name, g.slots, g.numel, g.shard_world, g.shard_rank, g.lo, g.hi, g.param_group, tensors))
+        return out
+
+    def state_meta(self) -> dict[str, Any]:
+        """JSON-able engine state beside the shards: counters, loss scale, LR scheduler, per param
+        group optimizer scalars (e.g. Adam's step) and hyperparameters."""
+        scalars: list[dict[str, float]] = []
+        for group in self.optimizer.param_groups:
+            found: dict[str, float] = {}
+            for p in group["params"]:
+                for k, v in self.optimizer.state.get(p, {}).items():
+                    if not torch.is_tensor(v) or v.dim() == 0:  # e.g. Adam's step
+                        found[k] = float(v)
+            scalars.append(found)
+        return {
+            "global_step": self.global_step,
+            "micro_step": self.micro_step,
+            "skipped_steps": self.skipped_steps,
+            "loss_scaler": self.loss_scaler.state_dict(),
+            "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
+            "optimizer_class": type(self.optimizer).__name__,
+            "optimizer_scalars": scalars,
+            "param_groups": [
+                {k: v for k, v in g.items() if k != "params" and isinstance(v, (int, float, str, bool, list, tuple, type(None)))}
+                for g in self.optimizer.param_groups
+            ],
+            "stage": self.stage,
+            "world_size": self.world_size,
+            "precision": self.config.precision,
+        }
+
+    def load_shard_state(self, tensors: dict[str, dict[str, torch.Tensor]], meta: dict[str, Any]) -> None:
+        """Collective: install shards (keyed like :meth:`shard_state`, for *this* engine's groups)
+        and ``meta``, then rebuild every rank's parameters from the loaded weights."""
+        with torch.no_grad():
+            for g in self.groups:
+                mine = tensors[g.name]
+                target = g.master if g.master is not None else g.shard
+                target.copy_(mine["weight"].reshape(-1))
+                if g.trainable:
+                    gi = g.param_group
+                    state: dict[str, Any] = {
+                        k: v.reshape(-1).to(device=self.device, dtype=g.master.dtype).clone()
+                        for k, v in mine.items()
+                        if k != "weight"
+                    }
+                    for k, v in meta.get("optimizer_scalars", [{}] * (gi + 1))[gi].items():
+                        state[k] = torch.tensor(v, dtype=torch.float32)
+                    if state:
+                        self.optimizer.state[g.opt_param] = state
+                    else:
+                        self.optimizer.state.pop(g.opt_param, None)
+            handles = [g.publish_master() if g.trainable else self._publish_frozen(g) for g in self.groups]
+            for h in handles:
+                h.wait()
+        self.global_step = int(meta.get("global_step", 0))
+        self.micro_step = int(meta.get("micro_step", self.global_step * self.gradient_accumulation_steps))
+        self.skipped_steps = int(meta.get("skipped_steps", 0))
+        if meta.get("loss_scaler"):
+            self.loss_scaler.load_state_dict(meta["loss_scaler"])
+        if self.lr_scheduler is not None and meta.get("lr_scheduler") is not None:
+            self.lr_scheduler.load_state_dict(meta["lr_scheduler"])
+
+    def _publish_frozen(self, g: FlatGroup) -> Handle:
+        if g.stage in (1, 2):
+            return self.comm.all_gather(g.full, g.shard, async_op=True)
+        return Handle()
 
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds persistently, by category (master weights count under optimizer)."""
