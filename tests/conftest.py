@@ -1,0 +1,40 @@
+"""Shared pytest fixtures."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+TESTS_DIR = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[dict[str, str]]:
+    """One real local Ray cluster for the whole session (4 logical CPUs, dashboard on for the state API).
+
+    Its workers get the repo root and tests/ on PYTHONPATH so they import zeroray and the test modules'
+    loop functions. Yields {"address": GCS address, "metrics_url": the node's Prometheus endpoint}.
+    """
+    import ray
+
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p] + [str(REPO_ROOT), str(TESTS_DIR)]
+    )
+    ray.init(
+        num_cpus=4,
+        include_dashboard=True,
+        configure_logging=False,
+        _system_config={"metrics_report_interval_ms": 1000},
+    )
+    node = ray._private.worker.global_worker.node
+    try:
+        yield {
+            "address": ray.get_runtime_context().gcs_address,
+            "metrics_url": f"http://{node.node_ip_address}:{node.metrics_export_port}/metrics",
+        }
+    finally:
+        ray.shutdown()

@@ -1,0 +1,116 @@
+"""ZeroTrainer's argument checks and the pure parts of the Ray layer (no Ray cluster needed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from zeroray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, ZeroTrainer
+from zeroray.train.checkpoint_manager import CheckpointManager, CheckpointRecord
+from zeroray.train.failure_policy import FailureDecision, FailurePolicy
+from zeroray.train.storage import RunStorage, StorageError
+from zeroray.train.worker_group import rank_layout
+
+
+def _loop(config):
+    pass
+
+
+@pytest.mark.parametrize("n", [0, -1, 1.5, True, "2"])
+def test_num_workers_must_be_positive_int(n):
+    with pytest.raises(ValueError, match="num_workers"):
+        ScalingConfig(num_workers=n)
+
+
+def test_scaling_config_checks_and_resources():
+    with pytest.raises(ValueError, match="placement_strategy"):
+        ScalingConfig(placement_strategy="SCATTER")
+    with pytest.raises(ValueError, match="use_gpu is False"):
+        ScalingConfig(resources_per_worker={"GPU": 1})
+    with pytest.raises(ValueError, match="resources_per_worker"):
+        ScalingConfig(resources_per_worker={"CPU": -1})
+    assert ScalingConfig().worker_resources == {"CPU": 1.0}
+    assert ScalingConfig(use_gpu=True).worker_resources == {"CPU": 1.0, "GPU": 1.0}
+    assert ScalingConfig(resources_per_worker={"CPU": 2, "accel": 1}).worker_resources == {"CPU": 2.0, "accel": 1.0}
+    assert ScalingConfig(use_gpu=True).backend == "nccl" and ScalingConfig().backend == "gloo"
+
+
+def test_failure_and_checkpoint_configs():
+    assert FailureConfig(max_failures=3).max_failures == 3
+    assert FailureConfig(max_failures=-1).max_failures == -1
+    for bad in (-2, 1.0, None):
+        with pytest.raises(ValueError, match="max_failures"):
+            FailureConfig(max_failures=bad)
+    with pytest.raises(ValueError, match="num_to_keep"):
+        CheckpointConfig(num_to_keep=0)
+    with pytest.raises(ValueError, match="async_save"):
+        CheckpointConfig(async_save="yes")
+    assert CheckpointConfig(num_to_keep=2, async_save=True).num_to_keep == 2
+
+
+def test_run_config_checks(tmp_path):
+    with pytest.raises(ValueError, match="name"):
+        RunConfig(name="a/b")
+    with pytest.raises(ValueError, match="failure_config"):
+        RunConfig(failure_config={"max_failures": 1})
+    assert RunConfig(storage_path=tmp_path).storage_path == str(tmp_path)
+    assert RunConfig().name.startswith("zeroray-")
+
+
+def test_trainer_rejects_bad_arguments_without_ray():
+    with pytest.raises(TypeError, match="train_loop_per_worker"):
+        ZeroTrainer("not a function")
+    with pytest.raises(ValueError, match="zero arguments or one"):
+        ZeroTrainer(lambda a, b: None)
+    with pytest.raises(TypeError, match="train_loop_config"):
+        ZeroTrainer(_loop, train_loop_config=[1, 2])
+    with pytest.raises(ValueError, match="takes no argument"):
+        ZeroTrainer(lambda: None, train_loop_config={"a": 1})
+    with pytest.raises(TypeError, match="scaling_config"):
+        ZeroTrainer(_loop, scaling_config={"num_workers": 2})
+    with pytest.raises(ValueError, match="stage"):
+        ZeroTrainer(_loop, zero_config={"zero_optimization": {"stage": 7}})
+    with pytest.raises(ValueError, match="train_batch_size"):  # 10 is not divisible by 4 x 3 workers
+        ZeroTrainer(_loop, zero_config={"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4},
+                    scaling_config=ScalingConfig(num_workers=3))
+    with pytest.raises(TypeError, match="datasets"):
+        ZeroTrainer(_loop, datasets={"train": [1, 2, 3]})
+
+
+def test_storage_validation(tmp_path):
+    RunStorage(str(tmp_path), "run").validate()
+    assert (tmp_path / "run").is_dir() and list((tmp_path / "run").iterdir()) == []
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    with pytest.raises(StorageError, match="not reachable or not writable"):
+        RunStorage(str(blocker / "sub"), "run").validate()
+    with pytest.raises(StorageError, match="cannot be opened"):
+        RunStorage("nosuchprotocol://bucket/x", "run")
+    mem = RunStorage("memory://zeroray-test", "run")
+    mem.validate()
+    mem.write_history([{"loss": 1.0}])
+    assert mem.fs.cat(mem.dir + "/metrics.jsonl") == b'{"loss": 1.0}\n'
+
+
+def test_rank_layout_groups_ranks_by_node():
+    order, infos = rank_layout(["B", "A", "B", "A", "C"])
+    assert order == [0, 2, 1, 3, 4]  # node B's bundles first (first seen), then A, then C
+    assert [(i.world_rank, i.node_rank, i.local_rank, i.local_world_size) for i in infos] == [
+        (0, 0, 0, 2), (1, 0, 1, 2), (2, 1, 0, 2), (3, 1, 1, 2), (4, 2, 0, 1)
+    ]
+    assert all(i.world_size == 5 for i in infos)
+
+
+def test_failure_policy_counts_failures():
+    policy = FailurePolicy(FailureConfig(max_failures=2))
+    assert [policy.decide([]) for _ in range(3)] == [FailureDecision.RESTART] * 2 + [FailureDecision.RAISE]
+    assert FailurePolicy(FailureConfig()).decide([]) is FailureDecision.RAISE
+    unlimited = FailurePolicy(FailureConfig(max_failures=-1))
+    assert all(unlimited.decide([]) is FailureDecision.RESTART for _ in range(50))
+
+
+def test_checkpoint_manager_keeps_the_newest():
+    mgr = CheckpointManager(CheckpointConfig(num_to_keep=2))
+    assert mgr.latest is None
+    dropped = [mgr.register(CheckpointRecord(f"ckpt-{i}", i)) for i in range(4)]
+    assert [[r.path for r in d] for d in dropped] == [[], [], ["ckpt-0"], ["ckpt-1"]]
+    assert mgr.latest.path == "ckpt-3"

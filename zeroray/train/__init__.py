@@ -1,0 +1,28 @@
+"""zeroray.train: the Ray layer. Driver side: ZeroTrainer and its configs. Worker side (inside the loop):
+get_context, prepare, report, get_dataset_shard — the same shape as ``ray.train``."""
+
+from zeroray.train.config import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from zeroray.train.context import TrainContext, get_context
+from zeroray.train.dataset import get_dataset_shard
+from zeroray.train.errors import ReportMismatchError, TrainingFailedError, WorkerFailure
+from zeroray.train.preparation import prepare
+from zeroray.train.reporting import report
+from zeroray.train.result import Result
+from zeroray.train.trainer import ZeroTrainer
+
+__all__ = [
+    "ZeroTrainer",
+    "ScalingConfig",
+    "RunConfig",
+    "FailureConfig",
+    "CheckpointConfig",
+    "Result",
+    "TrainContext",
+    "TrainingFailedError",
+    "ReportMismatchError",
+    "WorkerFailure",
+    "get_context",
+    "prepare",
+    "report",
+    "get_dataset_shard",
+]

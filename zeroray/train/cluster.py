@@ -1,0 +1,47 @@
+"""Connecting to Ray: an embedded local cluster when none is connected, else the one at RAY_ADDRESS.
+
+Also the up-front check that the cluster can hold the group at all, so a group that can never be
+placed fails in the driver with the numbers instead of waiting forever.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import ray
+
+logger = logging.getLogger(__name__)
+
+
+def ensure_ray() -> None:
+    """``ray.init()`` if needed: it connects to RAY_ADDRESS (or a ``ray start`` cluster), else starts one."""
+    if not ray.is_initialized():
+        ray.init(address=os.environ.get("RAY_ADDRESS"))
+
+
+def started_here() -> bool:
+    """Whether this process started the cluster's head (an embedded cluster: no node can join it)."""
+    node = getattr(ray._private.worker, "_global_node", None)
+    return bool(getattr(node, "head", False))
+
+
+def check_fits(num_workers: int, resources_per_worker: dict[str, float]) -> None:
+    """Raise when the whole cluster has fewer resources than the group needs.
+
+    On an embedded cluster nothing can join, so this is final; on a connected cluster an autoscaler may
+    still add nodes, so it only warns.
+    """
+    total = ray.cluster_resources()
+    missing = {
+        k: (v * num_workers, total.get(k, 0.0))
+        for k, v in resources_per_worker.items()
+        if v * num_workers > total.get(k, 0.0) + 1e-9
+    }
+    if not missing:
+        return
+    what = ", ".join(f"{k}: need {need:g}, cluster has {have:g}" for k, (need, have) in missing.items())
+    msg = f"ScalingConfig asks for {num_workers} workers x {resources_per_worker}, more than the cluster has ({what})"
+    if started_here():
+        raise ValueError(msg)
+    logger.warning("%s; waiting for the autoscaler to add nodes", msg)

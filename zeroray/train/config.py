@@ -1,0 +1,161 @@
+"""The run's settings as Ray Train users know them: ScalingConfig, RunConfig, FailureConfig, CheckpointConfig.
+
+Every field is checked on construction, so a bad value fails in the driver before any actor starts.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
+_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+@dataclass
+class ScalingConfig:
+    """How many ranks, and what each rank's actor holds (one bundle of the placement group per rank).
+
+    ``resources_per_worker`` overrides the defaults (1 CPU, plus 1 GPU when ``use_gpu``); keys are Ray
+    resource names. ``placement_timeout_s`` bounds the wait for the placement group (None = wait,
+    logging what is missing, as long as the cluster could ever hold it).
+    """
+
+    num_workers: int = 1
+    use_gpu: bool = False
+    resources_per_worker: dict[str, float] | None = None
+    placement_strategy: PlacementStrategy = "PACK"
+    placement_timeout_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.num_workers) or self.num_workers < 1:
+            raise ValueError(f"ScalingConfig.num_workers must be a positive integer, got {self.num_workers!r}")
+        if not isinstance(self.use_gpu, bool):
+            raise ValueError(f"ScalingConfig.use_gpu must be True or False, got {self.use_gpu!r}")
+        if self.placement_strategy not in _STRATEGIES:
+            raise ValueError(
+                f"ScalingConfig.placement_strategy must be one of {_STRATEGIES}, got {self.placement_strategy!r}"
+            )
+        if self.resources_per_worker is not None:
+            if not isinstance(self.resources_per_worker, dict):
+                raise ValueError(
+                    f"ScalingConfig.resources_per_worker must be a dict like {{'CPU': 2}}, "
+                    f"got {self.resources_per_worker!r}"
+                )
+            for k, v in self.resources_per_worker.items():
+                if not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+                    raise ValueError(
+                        f"ScalingConfig.resources_per_worker[{k!r}] must be a number >= 0, got {v!r}"
+                    )
+            if not self.use_gpu and self.resources_per_worker.get("GPU", 0) > 0:
+                raise ValueError("ScalingConfig.resources_per_worker asks for GPUs but use_gpu is False")
+            if self.use_gpu and self.resources_per_worker.get("GPU", 1) <= 0:
+                raise ValueError("ScalingConfig.use_gpu is True but resources_per_worker['GPU'] is 0")
+        if self.placement_timeout_s is not None and not self.placement_timeout_s > 0:
+            raise ValueError(
+                f"ScalingConfig.placement_timeout_s must be > 0 or None, got {self.placement_timeout_s!r}"
+            )
+
+    @property
+    def worker_resources(self) -> dict[str, float]:
+        """The Ray resources of one rank's bundle."""
+        res: dict[str, float] = {"CPU": 1.0}
+        if self.use_gpu:
+            res["GPU"] = 1.0
+        if self.resources_per_worker:
+            res.update({k: float(v) for k, v in self.resources_per_worker.items()})
+        return {k: v for k, v in res.items() if v > 0}
+
+    @property
+    def backend(self) -> str:
+        """torch.distributed backend: nccl between GPUs, gloo on CPU."""
+        return "nccl" if self.use_gpu else "gloo"
+
+
+@dataclass
+class FailureConfig:
+    """How many times the whole group may fail before the run fails.
+
+    A restart tears the group down, starts a new one and runs the loop again; the loop resumes from
+    ``engine.global_step`` (restored from the last checkpoint once checkpoints land). 0 = no restart;
+    -1 = restart without limit.
+    """
+
+    max_failures: int = 0
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.max_failures) or self.max_failures < -1:
+            raise ValueError(
+                f"FailureConfig.max_failures must be an integer >= 0, or -1 for unlimited, "
+                f"got {self.max_failures!r}"
+            )
+
+
+@dataclass
+class CheckpointConfig:
+    """Which checkpoints to keep. Sharded checkpoint saving plugs in through checkpoint_manager.py."""
+
+    num_to_keep: int | None = None
+    async_save: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_to_keep is not None and (not _is_int(self.num_to_keep) or self.num_to_keep < 1):
+            raise ValueError(
+                f"CheckpointConfig.num_to_keep must be a positive integer or None (keep all), "
+                f"got {self.num_to_keep!r}"
+            )
+        if not isinstance(self.async_save, bool):
+            raise ValueError(f"CheckpointConfig.async_save must be True or False, got {self.async_save!r}")
+
+
+def _default_name() -> str:
+    return "zeroray-" + datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+
+
+def _default_storage_path() -> str:
+    return os.path.join(os.path.expanduser("~"), "zeroray_results")
+
+
+@dataclass
+class RunConfig:
+    """Where the run's files go and how it reacts to failures.
+
+    ``storage_path`` is any fsspec URL (local path, ``s3://``, ``gs://``, ``memory://``...);
+    ``storage_options`` go to fsspec (e.g. ``{"endpoint_url": ...}`` for an S3-compatible store).
+    ``progress_bar``: True/False, or None = a bar on a terminal and a log line every few seconds otherwise.
+    """
+
+    name: str = field(default_factory=_default_name)
+    storage_path: str = field(default_factory=_default_storage_path)
+    storage_options: dict[str, Any] | None = None
+    failure_config: FailureConfig = field(default_factory=FailureConfig)
+    checkpoint_config: CheckpointConfig = field(default_factory=CheckpointConfig)
+    progress_bar: bool | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not _NAME_RE.match(self.name):
+            raise ValueError(
+                f"RunConfig.name must be non-empty and use only letters, digits, '_', '-' and '.', "
+                f"got {self.name!r}"
+            )
+        if hasattr(self.storage_path, "__fspath__"):
+            self.storage_path = os.fspath(self.storage_path)
+        if not isinstance(self.storage_path, str) or not self.storage_path:
+            raise ValueError(f"RunConfig.storage_path must be a path or URL, got {self.storage_path!r}")
+        if self.storage_options is not None and not isinstance(self.storage_options, dict):
+            raise ValueError(f"RunConfig.storage_options must be a dict, got {self.storage_options!r}")
+        if not isinstance(self.failure_config, FailureConfig):
+            raise ValueError(f"RunConfig.failure_config must be a FailureConfig, got {self.failure_config!r}")
+        if not isinstance(self.checkpoint_config, CheckpointConfig):
+            raise ValueError(
+                f"RunConfig.checkpoint_config must be a CheckpointConfig, got {self.checkpoint_config!r}"
+            )
+

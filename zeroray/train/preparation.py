@@ -1,0 +1,29 @@
+"""``zt.prepare``: wrap the user's model and optimizer in a ZeRO engine with the trainer's config."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from zeroray.train.context import get_session
+
+
+def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Any:
+    """Move ``model`` to this rank's device and return ``zeroray.initialize(model, optimizer, config)``.
+
+    The config is the trainer's ZeroConfig; the process group is the one the actors formed (WORLD).
+    The optimizer may be built before this call: moving a module keeps its Parameter objects.
+    """
+    session = get_session("prepare()")
+    if session.engine is not None:
+        raise RuntimeError("zt.prepare() was already called in this train loop; call it once per run")
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"zt.prepare expects a torch.nn.Module, got {type(model).__name__}")
+    from zeroray.engine import initialize
+
+    model.to(session.context.device)
+    engine = initialize(model, optimizer=optimizer, config=session.zero_config, process_group=None)
+    session.engine = engine
+    session.last_global_step = int(getattr(engine, "global_step", 0))
+    return engine

@@ -1,0 +1,51 @@
+"""The driver's progress display: a tqdm bar on a terminal, a log line every few seconds otherwise."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+from zeroray.train.reporting import finite_or_none
+
+
+class Progress:
+    """Shows step, loss and samples/s as reports stream in."""
+
+    def __init__(self, enabled: bool | None, samples_per_step: int | None, log_every_s: float = 5.0) -> None:
+        self.samples_per_step = samples_per_step
+        self.log_every_s = log_every_s
+        tty = sys.stderr.isatty()
+        self.bar = None
+        self.lines = enabled is not False and not tty
+        if enabled is not False and tty:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(desc="zeroray", unit="step", dynamic_ncols=True)
+        self._last_log = 0.0
+        self._first: tuple[float, int] | None = None
+        self._step = 0
+
+    def update(self, entry: dict[str, Any]) -> None:
+        step = entry.get("_global_step") or entry["_report"]
+        now = entry["_time_s"]
+        if self._first is None:
+            self._first = (now, step)
+        parts = {"step": step}
+        loss = finite_or_none(entry.get("loss"))
+        if loss is not None:
+            parts["loss"] = f"{loss:.4f}"
+        t0, s0 = self._first
+        if self.samples_per_step and step > s0 and now > t0:
+            parts["samples/s"] = f"{self.samples_per_step * (step - s0) / (now - t0):.1f}"
+        if self.bar is not None:
+            self.bar.update(max(step - self._step, 0))
+            self.bar.set_postfix(parts, refresh=False)
+        elif self.lines and time.monotonic() - self._last_log >= self.log_every_s:
+            self._last_log = time.monotonic()
+            print("zeroray: " + "  ".join(f"{k}={v}" for k, v in parts.items()), file=sys.stderr, flush=True)
+        self._step = step
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

@@ -1,0 +1,121 @@
+"""The Ray actor that hosts one rank: its device, its process group, its engine, its loop.
+
+The user's loop runs in a thread of the actor (as in Ray Train V2), so the actor's own methods stay
+answerable while it trains: the driver polls for reports and errors with ``poll`` and never blocks on
+the loop itself.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from zeroray.train import rendezvous
+from zeroray.train.context import RankInfo, Session, TrainContext, set_session
+from zeroray.train.errors import WorkerFailure, is_collective_error
+
+
+def actor_name(run: str, rank: int) -> str:
+    """The Ray actor name, so the dashboard shows who is who."""
+    return f"zeroray:{run}:rank-{rank}"
+
+
+class RankActor:
+    """One rank. Wrapped with ``ray.remote`` by the worker group (kept a plain class for readability)."""
+
+    def __init__(self, run: str, info: RankInfo, use_gpu: bool) -> None:
+        self.run, self.info, self.use_gpu = run, info, use_gpu
+        self.session: Session | None = None
+        self.thread: threading.Thread | None = None
+        self.failure: WorkerFailure | None = None
+        self.done = False
+
+    def __repr__(self) -> str:  # Ray prefixes the actor's log lines with this
+        return actor_name(self.run, self.info.world_rank)
+
+    # ------------------------------------------------------------------ placement and rendezvous
+    def node_info(self) -> dict[str, Any]:
+        import ray
+
+        ctx = ray.get_runtime_context()
+        return {"node_id": ctx.get_node_id(), "ip": rendezvous.node_address(), "pid": os.getpid(),
+                "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        """Rank 0 publishes where the group meets."""
+        return rendezvous.node_address(), rendezvous.free_port()
+
+    def setup(
+        self,
+        master_addr: str,
+        master_port: int,
+        backend: str,
+        timeout_s: float,
+        experiment_name: str,
+        storage_path: str,
+        trial_dir: str,
+        zero_config: Any,
+        dataset_shards: dict[str, Any],
+    ) -> None:
+        """Join the process group and build this rank's session."""
+        device = torch.device("cuda", 0) if self.use_gpu else torch.device("cpu")
+        if self.use_gpu:
+            torch.cuda.set_device(device)  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU(s)
+        report_group = rendezvous.init_process_group(master_addr, master_port, self.info, backend, timeout_s)
+        from zeroray.train.ray_metrics import RankMetrics
+
+        try:
+            metrics = RankMetrics(experiment_name, self.info.world_rank)
+        except Exception:  # no metrics agent (e.g. a minimal cluster): training does not depend on it
+            metrics = None
+        ctx = TrainContext(self.info, experiment_name, storage_path, device, trial_dir)
+        self.session = Session(ctx, zero_config, dataset_shards, report_group, metrics)
+        set_session(self.session)
+
+    # ------------------------------------------------------------------ the loop
+    def start(self, train_fn: Callable[..., Any], config: dict[str, Any] | None, pass_config: bool) -> None:
+        """Run the user's loop in a thread; ``poll`` tells how it goes."""
+        if self.session is None:
+            raise RuntimeError("RankActor.start before setup")
+        self.thread = threading.Thread(
+            target=self._run, args=(train_fn, config, pass_config), name="zeroray-train-loop", daemon=True
+        )
+        self.thread.start()
+
+    def _run(self, train_fn: Callable[..., Any], config: dict[str, Any] | None, pass_config: bool) -> None:
+        from zeroray.train.reporting import finish
+
+        try:
+            if self.use_gpu:
+                torch.cuda.set_device(self.session.context.device)  # the current device is per thread
+            train_fn(config) if pass_config else train_fn()
+            finish(self.session)
+        except BaseException as e:  # noqa: B036 - SystemExit in a loop is a failure too
+            self.failure = WorkerFailure(
+                rank=self.info.world_rank,
+                message=f"{type(e).__name__}: {e}",
+                traceback=traceback.format_exc(),
+                secondary=is_collective_error(e),
+            )
+        finally:
+            self.done = True
+
+    def poll(self) -> dict[str, Any]:
+        """Reports queued since the last poll, and whether the loop ended or failed."""
+        reports = []
+        if self.session is not None:
+            q = self.session.reports
+            while not q.empty():
+                reports.append(q.get_nowait())
+        return {"reports": reports, "done": self.done, "failure": self.failure}
+
+    def shutdown(self) -> None:
+        """Leave the process group when the loop is not stuck in a collective (else the actor is killed)."""
+        set_session(None)
+        if self.done:
+            rendezvous.destroy_process_group()

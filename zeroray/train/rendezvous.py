@@ -1,0 +1,66 @@
+"""How the rank actors find each other: rank 0 publishes its address and a free port, all ranks call
+``torch.distributed.init_process_group`` on ``tcp://addr:port``.
+
+The port is picked by binding port 0 and releasing it, as Ray Train does; the tiny race with another
+process taking it in between surfaces as an init error and counts as a group failure.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+
+import torch.distributed as dist
+
+from zeroray.train.context import RankInfo
+
+
+def node_address() -> str:
+    """The address other nodes reach this process at (Ray's view of the node IP)."""
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on this node."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+def init_process_group(
+    master_addr: str, master_port: int, info: RankInfo, backend: str, timeout_s: float
+) -> dist.ProcessGroup | None:
+    """Join the group and set the env vars torch code expects (RANK, LOCAL_RANK, MASTER_ADDR, ...).
+
+    Returns a gloo side group for the report barrier (None for a single rank).
+    """
+    os.environ.update(
+        {
+            "MASTER_ADDR": master_addr,
+            "MASTER_PORT": str(master_port),
+            "RANK": str(info.world_rank),
+            "WORLD_SIZE": str(info.world_size),
+            "LOCAL_RANK": str(info.local_rank),
+            "LOCAL_WORLD_SIZE": str(info.local_world_size),
+            "GROUP_RANK": str(info.node_rank),
+        }
+    )
+    dist.init_process_group(
+        backend=backend,
+        init_method=f"tcp://{master_addr}:{master_port}",
+        rank=info.world_rank,
+        world_size=info.world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    # A separate gloo group keeps report barriers off the engine's group and streams (NCCL or gloo).
+    return dist.new_group(backend="gloo") if info.world_size > 1 else None
+
+
+def destroy_process_group() -> None:
+    """Leave the group if we joined one."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,132 @@
+"""``zt.report``: a barrier across ranks that carries rank 0's metrics and every rank's memory and step time.
+
+Every rank calls it the same number of times (as in Ray Train). The ranks exchange their small stats
+with one ``all_gather_object`` on a separate gloo group, so the barrier never touches the engine's
+(possibly NCCL) streams; rank 0 then queues one combined report that the driver polls.
+
+When a rank's loop ends it joins one last exchange marked "done"; a rank still inside ``report`` then
+sees the marker and both raise ReportMismatchError instead of hanging.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from zeroray.train.context import Session, get_session
+from zeroray.train.errors import ReportMismatchError
+
+_DONE = "__zeroray_done__"
+
+
+def _process_rss_bytes() -> int:
+    try:
+        import psutil
+
+        return int(psutil.Process().memory_info().rss)
+    except Exception:  # psutil comes with ray[default]; stay usable without it
+        return 0
+
+
+def _plain(value: Any) -> Any:
+    """Make a metric value cheap to send: 0-d tensors become Python numbers."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"zt.report: tensor metrics must have one element, got shape {tuple(value.shape)}")
+        return value.item()
+    return value
+
+
+def _rank_stats(session: Session) -> dict[str, Any]:
+    """This rank's memory by category and time per optimizer step since its previous report."""
+    now = time.perf_counter()
+    engine = session.engine
+    global_step = int(getattr(engine, "global_step", 0)) if engine is not None else session.num_reports + 1
+    steps = max(global_step - session.last_global_step, 1)
+    step_time = (now - session.last_report_time) / steps if session.last_report_time is not None else None
+    session.last_report_time, session.last_global_step = now, global_step
+    memory: dict[str, int] = {}
+    if engine is not None and hasattr(engine, "memory_report"):
+        memory = {str(k): int(v) for k, v in engine.memory_report().items() if isinstance(v, numbers.Number)}
+    device = session.context.device
+    if device.type == "cuda":
+        memory["cuda_allocated"] = int(torch.cuda.memory_allocated(device))
+        memory["cuda_max_allocated"] = int(torch.cuda.max_memory_allocated(device))
+    memory["process_rss"] = _process_rss_bytes()
+    return {
+        "rank": session.context.get_world_rank(),
+        "global_step": global_step if engine is not None else None,
+        "step_time_s": step_time,
+        "memory": memory,
+    }
+
+
+def _exchange(session: Session, item: Any) -> list[Any]:
+    """All-gather one small object per rank on the report group (a barrier)."""
+    if session.report_group is None:
+        return [item]
+    out: list[Any] = [None] * session.context.get_world_size()
+    dist.all_gather_object(out, item, group=session.report_group)
+    return out
+
+
+def _check_mismatch(gathered: list[Any], num_reports: int) -> None:
+    done = [r for r, g in enumerate(gathered) if g == _DONE]
+    if done and len(done) != len(gathered):
+        still = [r for r, g in enumerate(gathered) if g != _DONE]
+        raise ReportMismatchError(
+            f"zt.report must be called by every rank the same number of times: rank(s) {done} finished "
+            f"their loop after {num_reports} reports while rank(s) {still} called report once more"
+        )
+
+
+def report(metrics: dict[str, Any], checkpoint: bool = False) -> None:
+    """Report this step's metrics (rank 0's are kept); blocks until every rank has reported.
+
+    ``checkpoint=True`` will save a sharded checkpoint once zeroray.checkpoint lands; until then it
+    raises rather than pretend.
+    """
+    session = get_session("report()")
+    if not isinstance(metrics, dict) or not all(isinstance(k, str) for k in metrics):
+        raise TypeError(f"zt.report expects a dict with string keys, got {type(metrics).__name__}")
+    if checkpoint:
+        raise NotImplementedError(
+            "zt.report(..., checkpoint=True): sharded checkpoints are not implemented yet in zeroray; "
+            "report without checkpoint=True for now"
+        )
+    plain = {k: _plain(v) for k, v in metrics.items()}
+    stats = _rank_stats(session)
+    is_rank0 = session.context.get_world_rank() == 0
+    gathered = _exchange(session, {"metrics": plain if is_rank0 else None, "stats": stats})
+    _check_mismatch(gathered, num_reports=session.num_reports)
+    session.num_reports += 1
+    if session.metrics is not None:
+        session.metrics.record(plain, stats, session.num_reports)
+    if is_rank0:
+        session.reports.put(
+            {
+                "index": session.num_reports,
+                "time": time.time(),
+                "metrics": plain,
+                "ranks": [g["stats"] for g in gathered],
+            }
+        )
+
+
+def finish(session: Session) -> None:
+    """Called by the actor after the loop returned: the closing exchange that detects report mismatches."""
+    gathered = _exchange(session, _DONE)
+    _check_mismatch(gathered, num_reports=session.num_reports)
+
+
+def finite_or_none(value: Any) -> float | None:
+    """A float metric for gauges and the progress bar, or None when not a finite number."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    v = float(value)
+    return v if math.isfinite(v) else None

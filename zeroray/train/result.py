@@ -1,0 +1,45 @@
+"""Result: what ``ZeroTrainer.fit()`` returns (the names follow Ray Train's Result)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class Result:
+    """``metrics``: rank 0's last report; ``metrics_history``: every report in order, each with
+    ``_report``, ``_time_s`` and ``_ranks`` (per-rank step time and memory); ``path``: the run's
+    directory URL; ``checkpoint``: the latest committed checkpoint (None until checkpoints land);
+    ``error``: the TrainingFailedError when the run failed."""
+
+    metrics: dict[str, Any] | None
+    metrics_history: list[dict[str, Any]]
+    path: str
+    checkpoint: Any = None
+    error: BaseException | None = None
+    attempts: int = 1
+
+    @property
+    def metrics_dataframe(self) -> Any:
+        """The history as a pandas DataFrame; per-rank values become ``rank<i>/step_time_s`` and
+        ``rank<i>/memory/<category>`` columns."""
+        import pandas as pd
+
+        rows = []
+        for entry in self.metrics_history:
+            row = {k: v for k, v in entry.items() if k != "_ranks"}
+            for r in entry.get("_ranks", []):
+                i = r["rank"]
+                row[f"rank{i}/step_time_s"] = r.get("step_time_s")
+                for cat, nbytes in r.get("memory", {}).items():
+                    row[f"rank{i}/memory/{cat}"] = nbytes
+            rows.append(row)
+        return pd.DataFrame(rows)
+
+    @property
+    def memory_by_rank(self) -> dict[int, dict[str, int]]:
+        """Each rank's memory by category at its last report."""
+        if not self.metrics_history:
+            return {}
+        return {r["rank"]: dict(r.get("memory", {})) for r in self.metrics_history[-1].get("_ranks", [])}

@@ -1,0 +1,84 @@
+"""The controller's states, one class each, as in Ray Train V2.
+
+INITIALIZING -> SCHEDULING -> RUNNING -> FINISHED
+                    ^            |-> RESTARTING -> SCHEDULING   (failure policy says restart)
+                    |            |-> ERRORED                    (failure policy says raise)
+                    '-- RESIZING <-'                            (scaling policy; not used yet)
+any non-terminal state -> ABORTED (Ctrl-C in the driver)
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from zeroray.train.errors import WorkerFailure
+from zeroray.train.scaling_policy import ScalingDecision
+
+
+class StateType(enum.Enum):
+    INITIALIZING = "INITIALIZING"
+    SCHEDULING = "SCHEDULING"
+    RUNNING = "RUNNING"
+    RESTARTING = "RESTARTING"
+    RESIZING = "RESIZING"
+    FINISHED = "FINISHED"
+    ERRORED = "ERRORED"
+    ABORTED = "ABORTED"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in (StateType.FINISHED, StateType.ERRORED, StateType.ABORTED)
+
+
+@dataclass(frozen=True)
+class ControllerState:
+    type: StateType = field(init=False)
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.type.is_terminal
+
+
+@dataclass(frozen=True)
+class Initializing(ControllerState):
+    type: StateType = field(default=StateType.INITIALIZING, init=False)
+
+
+@dataclass(frozen=True)
+class Scheduling(ControllerState):
+    decision: ScalingDecision
+    type: StateType = field(default=StateType.SCHEDULING, init=False)
+
+
+@dataclass(frozen=True)
+class Running(ControllerState):
+    type: StateType = field(default=StateType.RUNNING, init=False)
+
+
+@dataclass(frozen=True)
+class Restarting(ControllerState):
+    failures: list[WorkerFailure]
+    type: StateType = field(default=StateType.RESTARTING, init=False)
+
+
+@dataclass(frozen=True)
+class Resizing(ControllerState):
+    decision: ScalingDecision
+    type: StateType = field(default=StateType.RESIZING, init=False)
+
+
+@dataclass(frozen=True)
+class Finished(ControllerState):
+    type: StateType = field(default=StateType.FINISHED, init=False)
+
+
+@dataclass(frozen=True)
+class Errored(ControllerState):
+    failures: list[WorkerFailure]
+    type: StateType = field(default=StateType.ERRORED, init=False)
+
+
+@dataclass(frozen=True)
+class Aborted(ControllerState):
+    type: StateType = field(default=StateType.ABORTED, init=False)
