@@ -15,9 +15,20 @@ logger = logging.getLogger(__name__)
 
 
 def ensure_ray() -> None:
-    """``ray.init()`` if needed: it connects to RAY_ADDRESS (or a ``ray start`` cluster), else starts one."""
-    if not ray.is_initialized():
-        ray.init(address=os.environ.get("RAY_ADDRESS"))
+    """``ray.init()`` if needed: it connects to RAY_ADDRESS (or a ``ray start`` cluster), else starts one.
+
+    The workers of a cluster started here inherit this process's environment; zeroray's own source
+    root goes on their PYTHONPATH so a checkout that is not pip-installed works too.
+    """
+    if ray.is_initialized():
+        return
+    import zeroray
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(zeroray.__file__)))
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if root not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([*paths, root])
+    ray.init(address=os.environ.get("RAY_ADDRESS"))
 
 
 def started_here() -> bool:
