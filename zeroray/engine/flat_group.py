@@ -92,6 +92,7 @@ class FlatGroup:
             self.master = self.shard if master_dtype == self.compute_dtype else self.shard.to(master_dtype)
             if self.stage <= 1:
                 self.grad_full = torch.zeros(self.padded, dtype=self.compute_dtype, device=self.device)
+                self.grad_fresh = True
                 self.grad_shard = self.grad_full[self.lo : self.hi]
             else:
                 self.grad_full = None
@@ -130,31 +131,42 @@ class FlatGroup:
         self._free_storage()
 
     # ------------------------------------------------------------------ gradients
-    def new_grad_buffer(self) -> torch.Tensor:
-        """The flat buffer backward writes into: persistent (stage 0-1) or a temporary (2-3)."""
+    def grad_buffer(self) -> tuple[torch.Tensor, bool]:
+        """The flat buffer backward writes into, and whether its contents are stale (``fresh``:
+        the first gradient of each slot is copied, not added, and untouched slots are zeroed by
+        :meth:`seal`). Persistent at stages 0-1, a temporary at stages 2-3."""
         if self.grad_full is not None:
-            return self.grad_full
-        return torch.zeros(self.padded, dtype=self.compute_dtype, device=self.device)
+            return self.grad_full, self.grad_fresh
+        return torch.empty(self.padded, dtype=self.compute_dtype, device=self.device), True
+
+    def seal(self, buf: torch.Tensor, written: Sequence[bool]) -> None:
+        """Zero the parts of a fresh buffer that no gradient was copied into."""
+        for slot, w in zip(self.slots, written):
+            if not w:
+                buf[slot.offset : slot.end].zero_()
+        buf[self.numel :].zero_()
+        if buf is self.grad_full:
+            self.grad_fresh = False
 
     def reduce(self, buf: torch.Tensor, async_op: bool) -> Handle:
         """Average ``buf`` across ranks into this rank's gradient shard (accumulating)."""
         comm = self.comm
-        buf.div_(comm.world_size)
+        inv = 1.0 / comm.world_size
         if self.shard_world == 1 or not comm.use_reduce_scatter:
             h = comm.all_reduce(buf, async_op=async_op)
-            if buf is self.grad_full:
-                return h  # grad_shard is a view of it
+            if buf is self.grad_full:  # grad_shard is a view of it: average just that part
+                return h.then(lambda: self.grad_shard.mul_(inv)) if inv != 1.0 else h
             lo, hi = self.lo, self.hi
-            return h.then(lambda: self.grad_shard.add_(buf[lo:hi]))
+            return h.then(lambda: self.grad_shard.add_(buf[lo:hi], alpha=inv))
         out = torch.empty(self.shard_numel, dtype=buf.dtype, device=buf.device)
         h = comm.reduce_scatter(out, buf, async_op=async_op)
         if buf is self.grad_full:
-            return h.then(lambda: self.grad_shard.copy_(out))
-        return h.then(lambda: self.grad_shard.add_(out))
+            return h.then(lambda: torch.mul(out, inv, out=self.grad_shard))
+        return h.then(lambda: self.grad_shard.add_(out, alpha=inv))
 
     def zero_grad(self) -> None:
         if self.grad_full is not None:
-            self.grad_full.zero_()
+            self.grad_fresh = True  # overwritten, not added to, by the next backward
         elif self.grad_shard is not None:
             self.grad_shard.zero_()
 

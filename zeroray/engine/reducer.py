@@ -23,7 +23,6 @@ import torch
 
 from zeroray.engine.comm import Handle
 from zeroray.engine.flat_group import FlatGroup
-from zeroray.engine.layout import TensorSlot
 
 
 class GradReducer:
@@ -44,12 +43,13 @@ class GradReducer:
         self.active = False
         self.boundary = True
         self._bufs: dict[FlatGroup, torch.Tensor] = {}
+        self._written: dict[FlatGroup, list[bool]] = {}  # per fresh buffer: slots copied so far
         self._remaining: dict[FlatGroup, int] = {}
         self._inflight: deque[tuple[Handle, int]] = deque()
         self._hooks = [
-            p.register_post_accumulate_grad_hook(partial(self._on_grad, g, slot))
+            p.register_post_accumulate_grad_hook(partial(self._on_grad, g, i))
             for g in self.groups
-            for slot, p in zip(g.slots, g.params)
+            for i, p in enumerate(g.params)
         ]
 
     def begin(self, boundary: bool) -> None:
@@ -57,27 +57,49 @@ class GradReducer:
         self.active = True
         self.boundary = boundary
         self._remaining = {g: len(g.params) for g in self.groups}
+        self._bufs.clear()
 
     @property
     def _reduces_now(self) -> bool:
         return self.stage >= 2 or self.boundary
 
-    def _on_grad(self, g: FlatGroup, slot: TensorSlot, p: torch.nn.Parameter) -> None:
-        if not self.active:
-            raise RuntimeError("zeroray: call engine.backward(loss), not loss.backward(), so the engine can scale and reduce gradients")
+    def _buffer(self, g: FlatGroup) -> torch.Tensor:
         buf = self._bufs.get(g)
         if buf is None:
-            buf = self._bufs[g] = g.new_grad_buffer()
-        buf[slot.offset : slot.end].add_(p.grad.reshape(-1))
+            buf, fresh = g.grad_buffer()
+            self._bufs[g] = buf
+            if fresh:
+                self._written[g] = [False] * len(g.slots)
+        return buf
+
+    def _seal(self, g: FlatGroup, buf: torch.Tensor) -> None:
+        written = self._written.pop(g, None)
+        if written is not None:
+            g.seal(buf, written)
+
+    def _on_grad(self, g: FlatGroup, i: int, p: torch.nn.Parameter) -> None:
+        if not self.active:
+            raise RuntimeError(
+                "zeroray: call engine.backward(loss), not loss.backward(), so the engine can scale and "
+                "reduce gradients"
+            )
+        buf = self._buffer(g)
+        slot = g.slots[i]
+        written = self._written.get(g)
+        if written is not None and not written[i]:
+            buf[slot.offset : slot.end].copy_(p.grad.reshape(-1))
+            written[i] = True
+        else:
+            buf[slot.offset : slot.end].add_(p.grad.reshape(-1))
         p.grad = None
         self._remaining[g] -= 1
         if self._remaining[g] == 0 and self._reduces_now and self.overlap:
             self._launch(g)
 
     def _launch(self, g: FlatGroup) -> None:
-        buf = self._bufs.pop(g, None)
-        if buf is None:
-            buf = g.new_grad_buffer()
+        buf = self._buffer(g)
+        self._seal(g, buf)
+        del self._bufs[g]
         self._remaining[g] = -1  # launched
         self._inflight.append((g.reduce(buf, async_op=True), g.padded))
         while len(self._inflight) > 1 and sum(n for _, n in self._inflight) > self.max_inflight:
@@ -93,6 +115,9 @@ class GradReducer:
             for g in self.groups:
                 if self._remaining[g] != -1:
                     self._launch(g)
+        else:  # accumulating locally: what was not written this micro-step must read as zero
+            for g, buf in self._bufs.items():
+                self._seal(g, buf)
         while self._inflight:
             self._inflight.popleft()[0].wait()
         self.active = False
