@@ -1,0 +1,91 @@
+"""What a benchmark rank measures besides time: bytes moved by collectives and bytes of live tensors.
+
+Both are measured the same way for every system, so no peer is credited with a number its own
+code did not produce.
+"""
+
+from __future__ import annotations
+
+import gc
+import resource
+import warnings
+from collections.abc import Iterable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+def _nbytes(obj: object) -> int:
+    return sum(t.numel() * t.element_size() for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor))
+
+
+class CommCounter(TorchDispatchMode):
+    """Counts the bytes handed to torch.distributed collectives, by operation.
+
+    Every c10d collective (DDP's reducer, FSDP2, ZeroRedundancyOptimizer and DeepSpeed alike) goes
+    through the dispatcher's ``c10d`` ops, so a dispatch mode sees them all without patching
+    anything. Convention (the ZeRO paper's): an all-reduce counts twice its size, an all-gather
+    its gathered output, a reduce-scatter its full input, a broadcast or send its tensor.
+    It slows every op down, so it is used for one separate step, never a timed one.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "c10d":
+            name = func.__name__.split(".")[0].strip("_")
+            if name.startswith("allreduce"):
+                n = 2 * _nbytes(args[0])
+            elif name.startswith("allgather"):
+                n = _nbytes(args[0])
+            elif name.startswith(("reduce_scatter", "alltoall")):
+                n = _nbytes(args[1])
+            elif name == "barrier":
+                n = 0
+            else:
+                n = _nbytes(args[0])
+            self.bytes[name] = self.bytes.get(name, 0) + n
+        return func(*args, **(kwargs or {}))
+
+
+def _storage(t: torch.Tensor) -> tuple[int, int] | None:
+    """``(data_ptr, nbytes)`` of the memory behind a tensor (a DTensor's local shard)."""
+    t = getattr(t, "_local_tensor", t)
+    if t.device.type == "meta":
+        return None
+    try:
+        s = t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
+    return (s.data_ptr(), s.nbytes()) if s.nbytes() else None
+
+
+def storages(tensors: Iterable[torch.Tensor | None]) -> dict[int, int]:
+    """Distinct storages behind some tensors, ``{data_ptr: nbytes}`` (views and ties count once)."""
+    out = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and (s := _storage(t)) is not None:
+            out[s[0]] = s[1]
+    return out
+
+
+def live_storages() -> dict[int, int]:
+    """Every tensor storage that Python can reach in this process."""
+    with warnings.catch_warnings():  # isinstance() on some deprecated torch objects warns
+        warnings.simplefilter("ignore", FutureWarning)
+        return storages(o for o in gc.get_objects() if isinstance(o, torch.Tensor))
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """An optimizer's state tensors and the parameters it updates (master copies, if it has them)."""
+    out = [p for g in optimizer.param_groups for p in g["params"]]
+    out += [v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    return out
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
