@@ -309,6 +309,11 @@ class ZeroEngine:
             handles = [g.publish_master() if g.trainable else self._publish_frozen(g) for g in self.groups]
             for h in handles:
                 h.wait()
+        # Hyperparameters an LR scheduler changed (lr, ...), as torch's Optimizer.load_state_dict does.
+        for group, saved in zip(self.optimizer.param_groups, meta.get("param_groups", [])):
+            for k, v in saved.items():
+                if k in group:
+                    group[k] = tuple(v) if isinstance(group[k], tuple) else v
         self.global_step = int(meta.get("global_step", 0))
         self.micro_step = int(meta.get("micro_step", self.global_step * self.gradient_accumulation_steps))
         self.skipped_steps = int(meta.get("skipped_steps", 0))
