@@ -68,6 +68,62 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_storage_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "-o",
+        "--storage-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="fsspec storage option, e.g. endpoint_url=http://... (credentials: from the environment)",
+    )
+
+
+def _add_ls(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "ls",
+        help="list a run's checkpoints",
+        description="List a run's checkpoints: step, committed or not, world size and stage that wrote it, size.",
+    )
+    p.add_argument("run_url", help="the run directory (any fsspec URL)")
+    p.add_argument("--verify", action="store_true", help="read every committed checkpoint and check its checksums")
+    _add_storage_options(p)
+    p.set_defaults(func=cmd_ls)
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    from zeroray.checkpoint.commands import ls, parse_storage_options
+
+    return ls(args.run_url, verify=args.verify, storage_options=parse_storage_options(args.storage_option))
+
+
+def _add_export(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "export",
+        help="write a checkpoint as consolidated safetensors files",
+        description="Write a checkpoint's weights as safetensors files cut by size plus an index JSON "
+        "(the Hugging Face layout), streaming, with no process group.",
+    )
+    p.add_argument("checkpoint_url", help="a committed checkpoint directory (any fsspec URL)")
+    p.add_argument("out_dir", help="where to write the files")
+    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None, help="cast floating tensors (default: as saved)")
+    p.add_argument("--max-shard-size", default="5GB", help="largest output file, e.g. 5GB or 500MiB")
+    _add_storage_options(p)
+    p.set_defaults(func=cmd_export)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from zeroray.checkpoint.commands import export_command, parse_storage_options
+
+    return export_command(
+        args.checkpoint_url,
+        args.out_dir,
+        dtype=args.dtype,
+        max_shard_size=args.max_shard_size,
+        storage_options=parse_storage_options(args.storage_option),
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with every subcommand registered."""
     parser = argparse.ArgumentParser(
@@ -75,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     _add_estimate(sub)
+    _add_ls(sub)
+    _add_export(sub)
     return parser
 
 

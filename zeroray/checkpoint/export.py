@@ -1,0 +1,142 @@
+"""Export a sharded checkpoint as one consolidated state dict in the Hugging Face layout.
+
+``model-00001-of-0000N.safetensors`` files cut by size plus ``model.safetensors.index.json``
+(``{"metadata": {"total_size": ...}, "weight_map": {name: file}}``). No process group: the tensors
+of one output file are read from the rank files (verified range reads), cast, and streamed out in
+the safetensors format (8-byte header length, JSON header, raw data), so memory stays near one
+output file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import posixpath
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from zeroray.checkpoint.reader import DTYPES, Checkpoint, Request
+from zeroray.checkpoint.storage import open_url
+
+INDEX = "model.safetensors.index.json"
+_ST = {
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float64: "F64",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class _Item:
+    """One tensor of the output: a parameter (fp32 in the checkpoint) or a persistent buffer."""
+
+    name: str
+    shape: tuple[int, ...]
+    saved: torch.dtype
+    out: torch.dtype
+    source: tuple[dict[str, Any], dict[str, Any]]  # (group, slot) of a parameter, (file, section) of a buffer
+    is_param: bool
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.out.itemsize
+
+
+def _items(ckpt: Checkpoint, dtype: torch.dtype | None) -> list[_Item]:
+    items = [
+        _Item(name, tuple(slot["shape"]), torch.float32, dtype or torch.float32, (group, slot), True)
+        for name, (group, slot) in ckpt.params.items()
+    ]
+    for f, s in ckpt.sections("buffer"):
+        saved = DTYPES[s["dtype"]]
+        out = dtype if dtype is not None and saved.is_floating_point else saved
+        items.append(_Item(s["name"], tuple(s["shape"]), saved, out, (f, s), False))
+    return items
+
+
+def _plan(items: list[_Item], max_shard_bytes: int) -> list[list[_Item]]:
+    """Greedy cut into files of at most ``max_shard_bytes`` (a larger tensor gets a file of its own)."""
+    shards: list[list[_Item]] = [[]]
+    size = 0
+    for it in items:
+        if shards[-1] and size + it.nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(it)
+        size += it.nbytes
+    return shards
+
+
+def _fetch(ckpt: Checkpoint, items: list[_Item]) -> list[torch.Tensor]:
+    """Read the tensors of one output file in one pass (shared chunks are read once)."""
+    out, requests = [], []
+    for it in items:
+        if it.is_param:
+            group, slot = it.source
+            t = torch.empty(math.prod(it.shape), dtype=torch.float32)
+            requests += ckpt.flat_requests(group, "weight", slot["offset"], slot["offset"] + t.numel(), t)
+        else:
+            f, s = it.source
+            t = torch.empty(s["nbytes"], dtype=torch.uint8)
+            requests.append(Request(f["path"], s["offset"], t))
+            t = t.view(it.saved)
+        out.append(t)
+    ckpt.read(requests)
+    return [t.reshape(it.shape).to(it.out) for t, it in zip(out, items)]
+
+
+def _header(items: list[_Item]) -> bytes:
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    pos = 0
+    for it in items:
+        header[it.name] = {"dtype": _ST[it.out], "shape": list(it.shape), "data_offsets": [pos, pos + it.nbytes]}
+        pos += it.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def export(
+    checkpoint_url: str,
+    out_dir: str,
+    *,
+    dtype: str | None = None,
+    max_shard_bytes: int = 5 * 10**9,
+    storage_options: dict[str, Any] | None = None,
+    out_storage_options: dict[str, Any] | None = None,
+) -> list[str]:
+    """Write the checkpoint's weights (and persistent buffers) as safetensors files plus an index.
+
+    ``dtype``: "fp32" (default, as saved), "bf16" or "fp16" for floating tensors. Returns the files
+    written, index last.
+    """
+    if dtype is not None and dtype not in EXPORT_DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(EXPORT_DTYPES)}, got {dtype!r}")
+    ckpt = Checkpoint(checkpoint_url, storage_options)
+    shards = _plan(_items(ckpt, EXPORT_DTYPES.get(dtype)), max_shard_bytes)
+    fs, root = open_url(out_dir, out_storage_options)
+    fs.makedirs(root, exist_ok=True)
+    weight_map, written = {}, []
+    for i, items in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        with fs.open(posixpath.join(root, name), "wb") as f:
+            f.write(_header(items))
+            for it, t in zip(items, _fetch(ckpt, items)):
+                f.write(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
+                weight_map[it.name] = name
+        written.append(name)
+    total = sum(it.nbytes for items in shards for it in items)
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    fs.pipe_file(posixpath.join(root, INDEX), json.dumps(index, indent=2).encode())
+    return [*written, INDEX]
