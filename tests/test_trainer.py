@@ -85,10 +85,11 @@ def _ddp_loop(config):
 def test_trainer_runs_on_n_workers(ray_cluster, tmp_path, workers):
     name = f"run-{workers}w"
     steps = 12
+    strategy = "SPREAD" if workers == 2 else "PACK"
     result = ZeroTrainer(
         _ddp_loop,
         train_loop_config={"steps": steps},
-        scaling_config=ScalingConfig(num_workers=workers),
+        scaling_config=ScalingConfig(num_workers=workers, placement_strategy=strategy),
         run_config=_run_config(tmp_path, name),
     ).fit()
 
@@ -121,6 +122,10 @@ def test_trainer_runs_on_n_workers(ray_cluster, tmp_path, workers):
     assert [json.loads(line)["loss"] for line in lines] == [h["loss"] for h in result.metrics_history]
     assert json.loads((tmp_path / "runs" / name / "run.json").read_text())["status"] == "FINISHED"
 
+    # The dashboard shows who is who: one named actor per rank, one placement group with the strategy.
+    assert sorted(a.name for a in _zeroray_actors(name)) == [f"zeroray:{name}:rank-{r}" for r in range(workers)]
+    pgs = [p for p in ray.util.placement_group_table().values() if p["name"] == f"zeroray:{name}"]
+    assert [(p["strategy"], len(p["bundles"])) for p in pgs] == [(strategy, workers)]
     assert_nothing_left(name, pids)
 
 
@@ -216,6 +221,16 @@ def test_report_count_mismatch_is_an_error_not_a_hang(ray_cluster, tmp_path):
         ZeroTrainer(_mismatched_loop, scaling_config=ScalingConfig(num_workers=2),
                     run_config=_run_config(tmp_path, "mismatch")).fit()
     assert_nothing_left("mismatch")
+
+
+def _checkpoint_loop():
+    zt.report({"x": 1}, checkpoint=True)
+
+
+def test_checkpoint_reports_are_refused_until_checkpoints_land(ray_cluster, tmp_path):
+    with pytest.raises(TrainingFailedError, match="sharded checkpoints are not implemented yet"):
+        ZeroTrainer(_checkpoint_loop, run_config=_run_config(tmp_path, "ckpt")).fit()
+    assert_nothing_left("ckpt")
 
 
 def test_bad_arguments_fail_before_any_actor_starts(ray_cluster, tmp_path):

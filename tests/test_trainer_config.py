@@ -114,3 +114,24 @@ def test_checkpoint_manager_keeps_the_newest():
     dropped = [mgr.register(CheckpointRecord(f"ckpt-{i}", i)) for i in range(4)]
     assert [[r.path for r in d] for d in dropped] == [[], [], ["ckpt-0"], ["ckpt-1"]]
     assert mgr.latest.path == "ckpt-3"
+
+
+def test_history_appends_and_first_write_truncates(tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"stale": 1}\n')  # a previous run of that name
+    storage = RunStorage(str(tmp_path), "run")
+    history = [{"loss": 3.0}]
+    storage.write_history(history)
+    history += [{"loss": 2.0}, {"loss": 1.0}]
+    storage.write_history(history)
+    storage.write_history(history)
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == '{"loss": 3.0}\n{"loss": 2.0}\n{"loss": 1.0}\n'
+
+
+def test_worker_api_outside_a_train_loop_says_so():
+    import zeroray.train as zt
+
+    for call in (zt.get_context, lambda: zt.report({"a": 1}), lambda: zt.get_dataset_shard("train"),
+                 lambda: zt.prepare(None)):
+        with pytest.raises(RuntimeError, match="inside a train loop run by ZeroTrainer"):
+            call()

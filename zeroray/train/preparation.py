@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -9,11 +10,16 @@ import torch
 from zeroray.train.context import get_session
 
 
-def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Any:
+def prepare(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | Callable[..., Any] | None = None,
+    lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+) -> Any:
     """Move ``model`` to this rank's device and return ``zeroray.initialize(model, optimizer, config)``.
 
     The config is the trainer's ZeroConfig; the process group is the one the actors formed (WORLD).
     The optimizer may be built before this call: moving a module keeps its Parameter objects.
+    ``lr_scheduler`` (``optimizer -> scheduler``) is passed to the engine, which steps it.
     """
     session = get_session("prepare()")
     if session.engine is not None:
@@ -23,7 +29,9 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     from zeroray.engine import initialize
 
     model.to(session.context.device)
-    engine = initialize(model, optimizer=optimizer, config=session.zero_config, process_group=None)
+    engine = initialize(
+        model, optimizer=optimizer, config=session.zero_config, process_group=None, lr_scheduler=lr_scheduler
+    )
     session.engine = engine
     session.last_global_step = int(getattr(engine, "global_step", 0))
     return engine

@@ -107,12 +107,13 @@ class RankActor:
 
     def poll(self) -> dict[str, Any]:
         """Reports queued since the last poll, and whether the loop ended or failed."""
+        done, failure = self.done, self.failure  # read first: every report of a done loop is queued by now
         reports = []
         if self.session is not None:
             q = self.session.reports
             while not q.empty():
                 reports.append(q.get_nowait())
-        return {"reports": reports, "done": self.done, "failure": self.failure}
+        return {"reports": reports, "done": done, "failure": failure}
 
     def shutdown(self) -> None:
         """Leave the process group when the loop is not stuck in a collective (else the actor is killed)."""

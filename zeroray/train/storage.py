@@ -1,7 +1,7 @@
 """The run's directory ``<storage_path>/<name>/`` through fsspec, so any URL works (local, s3://, ...).
 
 The driver checks it is writable before any actor starts, and writes ``metrics.jsonl`` (one report a
-line) and ``run.json`` (status, world size, error) there. Sharded checkpoints will live under it too.
+line, appended) and ``run.json`` (status, world size, error) there. Sharded checkpoints will live under it too.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ class RunStorage:
             raise StorageError(f"RunConfig.storage_path {storage_path!r} cannot be opened: {e}") from e
         self.dir = posixpath.join(root.rstrip("/") or "/", name)
         self.url = storage_path.rstrip("/") + "/" + name
+        self._written = 0  # history entries already in metrics.jsonl
 
     def validate(self) -> None:
         """Create the run's directory and write, read and delete a probe file."""
@@ -47,9 +48,20 @@ class RunStorage:
             ) from e
 
     def write_history(self, history: list[dict[str, Any]]) -> None:
-        """Rewrite ``metrics.jsonl`` (object stores have no append)."""
-        body = "".join(json.dumps(entry, default=str) + "\n" for entry in history)
-        self.fs.pipe(posixpath.join(self.dir, "metrics.jsonl"), body.encode())
+        """Bring ``metrics.jsonl`` up to date: append the new entries (the first write truncates);
+        where the filesystem cannot append, rewrite the whole file."""
+        path = posixpath.join(self.dir, "metrics.jsonl")
+        new = history[self._written :]
+        if not new and self._written:
+            return
+        body = "".join(json.dumps(entry, default=str) + "\n" for entry in new).encode()
+        try:
+            with self.fs.open(path, "ab" if self._written else "wb") as f:
+                f.write(body)
+        except (NotImplementedError, ValueError, OSError):
+            everything = "".join(json.dumps(entry, default=str) + "\n" for entry in history).encode()
+            self.fs.pipe(path, everything)
+        self._written = len(history)
 
     def write_run_info(self, info: dict[str, Any]) -> None:
         self.fs.pipe(posixpath.join(self.dir, "run.json"), json.dumps(info, indent=2, default=str).encode())
