@@ -160,8 +160,8 @@ def main() -> None:
     print(f"\nloss: {history[0]['loss']:.3f} at step 1 -> {history[-1]['loss']:.3f} at step {len(history)}")
     for h in history:
         if "val_loss" in h:
-            print(f"  step {h['_global_step']:4d}  train {h['loss']:.3f}  val {h['val_loss']:.3f}  "
-                  f"{h['_step_time_s']:.2f} s/step")
+            secs = f"{h['_step_time_s']:.2f} s/step" if h["_step_time_s"] is not None else ""
+            print(f"  step {h['_global_step']:4d}  train {h['loss']:.3f}  val {h['val_loss']:.3f}  {secs}")
     print(f"\nsample: {result.metrics['sample']!r}")
     print("\nmemory per rank at the end (MiB):")
     cats = ["params", "grads", "optimizer", "buffers", "total", "process_rss"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import sys
 import time
 from typing import Any
@@ -15,7 +16,7 @@ class Progress:
     def __init__(self, enabled: bool | None, samples_per_step: int | None, log_every_s: float = 5.0) -> None:
         self.samples_per_step = samples_per_step
         self.log_every_s = log_every_s
-        tty = sys.stderr.isatty()
+        tty = sys.stderr.isatty() and shutil.get_terminal_size((0, 0)).columns > 0
         self.bar = None
         self.lines = enabled is not False and not tty
         if enabled is not False and tty:
@@ -39,8 +40,9 @@ class Progress:
         if self.samples_per_step and step > s0 and now > t0:
             parts["samples/s"] = f"{self.samples_per_step * (step - s0) / (now - t0):.1f}"
         if self.bar is not None:
-            self.bar.update(max(step - self._step, 0))
+            parts.pop("step")  # the bar counts steps itself
             self.bar.set_postfix(parts, refresh=False)
+            self.bar.update(max(step - self._step, 0))
         elif self.lines and time.monotonic() - self._last_log >= self.log_every_s:
             self._last_log = time.monotonic()
             print("zeroray: " + "  ".join(f"{k}={v}" for k, v in parts.items()), file=sys.stderr, flush=True)
