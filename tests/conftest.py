@@ -9,20 +9,19 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-TESTS_DIR = Path(__file__).resolve().parent
 
 
 @pytest.fixture(scope="session")
 def ray_cluster() -> Iterator[dict[str, str]]:
     """One real local Ray cluster for the whole session (4 logical CPUs, dashboard on for the state API).
 
-    Its workers get the repo root and tests/ on PYTHONPATH so they import zeroray and the test modules'
-    loop functions. Yields {"address": GCS address, "metrics_url": the node's Prometheus endpoint}.
+    Its workers get the repo root on PYTHONPATH so they import zeroray and the test modules (package
+    ``tests``) whose loop functions they run. Yields {"address": GCS address, "metrics_url": the node's Prometheus endpoint}.
     """
     import ray
 
     os.environ["PYTHONPATH"] = os.pathsep.join(
-        [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p] + [str(REPO_ROOT), str(TESTS_DIR)]
+        [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p] + [str(REPO_ROOT)]
     )
     ray.init(
         num_cpus=4,
