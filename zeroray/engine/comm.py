@@ -28,8 +28,16 @@ class Handle:
         self.done = False
 
     def then(self, fn: Callable[[], None]) -> Handle:
-        """The same collectives, with ``fn`` to run once they are done."""
-        return Handle(self._works, then=fn)
+        """The same collectives, with ``fn`` to run once they are done (after this one's callback)."""
+        first = self._then
+        if first is None:
+            return Handle(self._works, then=fn)
+
+        def both() -> None:
+            first()
+            fn()
+
+        return Handle(self._works, then=both)
 
     def wait(self) -> None:
         if self.done:

@@ -337,6 +337,7 @@ class ZeroEngine:
             "buffers": sum(b.numel() * b.element_size() for b in self.module.buffers()),
         }
         report["master_weights"] = sum(g.master_bytes() for g in self.groups)
+        report["grad_buffers_cached"] = self.reducer.cached_bytes()  # reused temporaries, stages 2-3
         report["optimizer_states"] = opt_state
         report["total"] = report["params"] + report["grads"] + report["optimizer"] + report["buffers"]
         return report

@@ -131,13 +131,11 @@ class FlatGroup:
         self._free_storage()
 
     # ------------------------------------------------------------------ gradients
-    def grad_buffer(self) -> tuple[torch.Tensor, bool]:
-        """The flat buffer backward writes into, and whether its contents are stale (``fresh``:
-        the first gradient of each slot is copied, not added, and untouched slots are zeroed by
-        :meth:`seal`). Persistent at stages 0-1, a temporary at stages 2-3."""
-        if self.grad_full is not None:
-            return self.grad_full, self.grad_fresh
-        return torch.empty(self.padded, dtype=self.compute_dtype, device=self.device), True
+    def grad_buffer(self) -> tuple[torch.Tensor | None, bool]:
+        """The persistent flat gradient buffer (stages 0-1; None at 2-3, which reduce from a
+        temporary) and whether its contents are stale (``fresh``: the first gradient of each slot
+        is copied, not added, and untouched slots are zeroed by :meth:`seal`)."""
+        return self.grad_full, self.grad_fresh if self.grad_full is not None else True
 
     def seal(self, buf: torch.Tensor, written: Sequence[bool]) -> None:
         """Zero the parts of a fresh buffer that no gradient was copied into."""

@@ -46,6 +46,9 @@ class GradReducer:
         self._written: dict[FlatGroup, list[bool]] = {}  # per fresh buffer: slots copied so far
         self._remaining: dict[FlatGroup, int] = {}
         self._inflight: deque[tuple[Handle, int]] = deque()
+        # Temporaries of stages 2-3, reused across backwards (as DeepSpeed's reduce bucket), so
+        # a step does not pay fresh allocations and page faults for every bucket.
+        self._pool: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
         self._hooks = [
             p.register_post_accumulate_grad_hook(partial(self._on_grad, g, i))
             for g in self.groups
@@ -67,6 +70,9 @@ class GradReducer:
         buf = self._bufs.get(g)
         if buf is None:
             buf, fresh = g.grad_buffer()
+            if buf is None:
+                free = self._pool.get((g.padded, g.compute_dtype))
+                buf = free.pop() if free else torch.empty(g.padded, dtype=g.compute_dtype, device=g.device)
             self._bufs[g] = buf
             if fresh:
                 self._written[g] = [False] * len(g.slots)
@@ -101,7 +107,10 @@ class GradReducer:
         self._seal(g, buf)
         del self._bufs[g]
         self._remaining[g] = -1  # launched
-        self._inflight.append((g.reduce(buf, async_op=True), g.padded))
+        handle = g.reduce(buf, async_op=True)
+        if buf is not g.grad_full:
+            handle = handle.then(lambda: self._pool.setdefault((g.padded, g.compute_dtype), []).append(buf))
+        self._inflight.append((handle, g.padded))
         while len(self._inflight) > 1 and sum(n for _, n in self._inflight) > self.max_inflight:
             self._inflight.popleft()[0].wait()
         if self.on_reduced is not None:
@@ -121,6 +130,10 @@ class GradReducer:
         while self._inflight:
             self._inflight.popleft()[0].wait()
         self.active = False
+
+    def cached_bytes(self) -> int:
+        """Bytes of reusable temporaries held between steps."""
+        return sum(t.numel() * t.element_size() for ts in self._pool.values() for t in ts)
 
     def remove(self) -> None:
         for h in self._hooks:
