@@ -77,7 +77,7 @@ def file_digest(chunk_digests: Iterable[str]) -> str:
 
 def verify_chunks(data: bytes | memoryview, entry: dict[str, Any], first_chunk: int, url: str) -> None:
     """Check ``data`` (whole chunks of the file ``entry`` from ``first_chunk`` on) against the manifest."""
-    c = entry["chunk_bytes"]
+    c, data = entry["chunk_bytes"], memoryview(data)
     for i in range(-(-len(data) // c)):
         got = f"{zlib.crc32(data[i * c : (i + 1) * c]):08x}"
         want = entry["chunks"][first_chunk + i]

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import posixpath
 from bisect import bisect_right
-from collections import defaultdict
-from collections.abc import Iterator
+from collections import defaultdict, deque
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from itertools import islice
 from typing import Any
 
 import numpy as np
@@ -26,8 +28,8 @@ from zeroray.checkpoint.storage import join_url, open_url, read_manifest
 from zeroray.checkpoint.writer import wait
 from zeroray.engine import GroupShard, ZeroEngine, layout
 
-_MAX_RUN = 64 << 20  # bytes per range read
-_MAX_BATCH = 256 << 20  # bytes of range reads in flight at once
+_MAX_RUN = 16 << 20  # bytes per range read
+_INFLIGHT = 4  # range reads in flight at once
 DTYPES = {
     name: getattr(torch, name)
     for name in ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
@@ -86,52 +88,62 @@ class Checkpoint:
         by_file: dict[str, list[Request]] = defaultdict(list)
         for r in requests:
             by_file[r.file].append(r)
+        runs = []
         for name, reqs in by_file.items():
-            entry = self.files[name]
-            c = entry["chunk_bytes"]
             reqs.sort(key=lambda r: r.offset)
-            ends = [r.end for r in reqs]
-            chunks = sorted({k for r in reqs for k in range(r.offset // c, -(-r.end // c))})
-            for start, data in self._verified_runs(entry, chunks):
-                stop = start + len(data)
-                for r in reqs[bisect_right(ends, start) :]:
-                    if r.offset >= stop:
-                        break
-                    a, b = max(r.offset, start), min(r.end, stop)
-                    dest = r.dest.view(torch.uint8).numpy()
-                    dest[a - r.offset : b - r.offset] = np.frombuffer(data, np.uint8, b - a, a - start)
+            c = self.files[name]["chunk_bytes"]
+            runs += _runs(self.files[name], sorted({k for r in reqs for k in range(r.offset // c, -(-r.end // c))}))
+        ends = {name: [r.end for r in reqs] for name, reqs in by_file.items()}
+        for entry, start, data in self._verified_runs(runs):
+            reqs, stop = by_file[entry["path"]], start + len(data)
+            for r in reqs[bisect_right(ends[entry["path"]], start) :]:
+                if r.offset >= stop:
+                    break
+                a, b = max(r.offset, start), min(r.end, stop)
+                dest = r.dest.view(torch.uint8).numpy()
+                dest[a - r.offset : b - r.offset] = np.frombuffer(data, np.uint8, b - a, a - start)
 
     def verify(self) -> None:
         """Read every file whole and check every chunk (``zeroray ls --verify``)."""
-        for entry in self.manifest["files"]:
-            chunks = range(-(-entry["size"] // entry["chunk_bytes"]))
-            for _ in self._verified_runs(entry, chunks):
-                pass
+        runs = [run for e in self.manifest["files"] for run in _runs(e, range(-(-e["size"] // e["chunk_bytes"])))]
+        for _ in self._verified_runs(runs):
+            pass
 
-    def _verified_runs(self, entry: dict[str, Any], chunks: Any) -> Iterator[tuple[int, bytes]]:
-        """(file offset, bytes) of runs of consecutive ``chunks``, each checked against the manifest."""
-        c, size = entry["chunk_bytes"], entry["size"]
-        runs: list[list[int]] = []
-        for k in chunks:
-            if runs and k == runs[-1][1] and (k - runs[-1][0]) * c < _MAX_RUN:
-                runs[-1][1] = k + 1
-            else:
-                runs.append([k, k + 1])
-        fpath = posixpath.join(self.path, entry["path"])
-        furl = join_url(self.url, entry["path"])
-        per_batch = max(1, _MAX_BATCH // _MAX_RUN)
-        for i in range(0, len(runs), per_batch):
-            batch = runs[i : i + per_batch]
-            starts = [a * c for a, _ in batch]
-            stops = [min(b * c, size) for _, b in batch]
-            datas = self.fs.cat_ranges([fpath] * len(batch), starts, stops)
-            for (a, _), start, stop, data in zip(batch, starts, stops, datas):
-                if isinstance(data, BaseException):
-                    raise CheckpointError(f"cannot read {furl}: {type(data).__name__}: {data}") from data
-                if len(data) != stop - start:
-                    raise CheckpointError(f"{furl} is shorter than the manifest says ({entry['size']} bytes)")
-                verify_chunks(data, entry, a, furl)
-                yield start, data
+    def _fetch(self, entry: dict[str, Any], first: int, last: int) -> tuple[dict[str, Any], int, bytes]:
+        """Chunks ``[first, last)`` of a file, checked against the manifest."""
+        c, furl = entry["chunk_bytes"], join_url(self.url, entry["path"])
+        start, stop = first * c, min(last * c, entry["size"])
+        try:
+            data = self.fs.cat_file(posixpath.join(self.path, entry["path"]), start=start, end=stop)
+        except Exception as e:
+            raise CheckpointError(f"cannot read {furl}: {type(e).__name__}: {e}") from e
+        if len(data) != stop - start:
+            raise CheckpointError(f"{furl} is shorter than the manifest says ({entry['size']} bytes)")
+        verify_chunks(data, entry, first, furl)
+        return entry, start, data
+
+    def _verified_runs(self, runs: list[tuple[dict[str, Any], int, int]]) -> Iterator[tuple[dict[str, Any], int, bytes]]:
+        """(file entry, offset, bytes) of each run, in order; up to _INFLIGHT runs are read and
+        verified ahead in threads (fsspec range reads; concurrent requests on object stores)."""
+        with ThreadPoolExecutor(_INFLIGHT) as pool:
+            todo = iter(runs)
+            pending = deque(pool.submit(self._fetch, *run) for run in islice(todo, _INFLIGHT))
+            while pending:
+                done = pending.popleft().result()
+                for run in islice(todo, 1):
+                    pending.append(pool.submit(self._fetch, *run))
+                yield done
+
+
+def _runs(entry: dict[str, Any], chunks: Iterable[int]) -> list[tuple[dict[str, Any], int, int]]:
+    """Sorted chunk numbers as (entry, first, last) runs of consecutive chunks, each <= _MAX_RUN bytes."""
+    runs: list[list[int]] = []
+    for k in chunks:
+        if runs and k == runs[-1][1] and (k - runs[-1][0]) * entry["chunk_bytes"] < _MAX_RUN:
+            runs[-1][1] = k + 1
+        else:
+            runs.append([k, k + 1])
+    return [(entry, a, b) for a, b in runs]
 
 
 def _keys(ckpt: Checkpoint, slots: list[layout.TensorSlot], trainable: bool) -> list[str]:
@@ -183,7 +195,9 @@ def load(engine: ZeroEngine, url: str, *, storage_options: dict[str, Any] | None
     tensors: dict[str, dict[str, torch.Tensor]] = {}
     for gs in states:
         keys = _keys(ckpt, gs.slots, gs.param_group is not None)
-        out = {k: torch.zeros(gs.hi - gs.lo, dtype=torch.float32) for k in keys}
+        out = {k: torch.empty(gs.hi - gs.lo, dtype=torch.float32) for k in keys}
+        for t in out.values():  # every element up to numel belongs to a tensor; the rest is padding
+            t[max(0, gs.numel - gs.lo) :].zero_()
         for p in layout.pieces(gs.slots, gs.lo, gs.hi):
             group, slot = ckpt.params[p.name]
             lo = slot["offset"] + p.t_lo
