@@ -296,7 +296,7 @@ class ZeroEngine:
                 if g.trainable:
                     gi = g.param_group
                     state: dict[str, Any] = {
-                        k: v.reshape(-1).to(device=self.device, dtype=g.master.dtype).clone()
+                        k: v.reshape(-1).to(device=self.device, dtype=g.master.dtype, copy=True)
                         for k, v in mine.items()
                         if k != "weight"
                     }
