@@ -57,6 +57,7 @@ def summarize(jobs: list[dict]) -> dict[tuple[str, int, str], dict]:
             live=max(r["live_tensor_bytes"] for r in ranks),
             formula=estimate(job["num_params"], ws, stage, precision)["total"],
             rss=max(r["peak_rss"] for r in ranks),
+            rss_growth=max(r["peak_rss"] - r.get("rss_base", 0) for r in ranks),
             comm=comm,
             comm_measured=sum(ranks[0]["comm_measured"].values()),
             comm_source=comm_source,
@@ -97,6 +98,7 @@ def markdown(rows: dict[tuple[str, int, str], dict], meta: dict) -> str:
         *(f"- {line}" for line in LEGEND),
         "",
     ]
+    lines += targets(rows)
     for precision in dict.fromkeys(k[0] for k in rows):
         for ws in sorted({k[1] for k in rows if k[0] == precision}):
             n = next(
@@ -107,9 +109,9 @@ def markdown(rows: dict[tuple[str, int, str], dict], meta: dict) -> str:
                 f"## {precision}, world size {ws} ({n / 1e6:.1f}M parameters)",
                 "",
                 "| system | stage | step (s) | params (MiB) | grads (MiB) | optimizer (MiB) | model states (MiB) "
-                "| ZeRO formula (MiB) | live tensors (MiB) | peak RSS (MiB) | comm/step (MiB) | comm source "
-                "| ÷ step | ÷ states | ÷ comm |",
-                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+                "| ZeRO formula (MiB) | live tensors (MiB) | peak RSS (MiB) | RSS growth (MiB) | comm/step (MiB) "
+                "| comm source | ÷ step | ÷ states | ÷ comm |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
             ]
             for system in SYSTEMS:
                 row = rows.get((precision, ws, system))
@@ -117,7 +119,7 @@ def markdown(rows: dict[tuple[str, int, str], dict], meta: dict) -> str:
                     continue
                 if "median_s" not in row:
                     lines.append(
-                        f"| {system} | failed: {row['errors'][0].splitlines()[0][:80]} |" + " |" * 12
+                        f"| {system} | failed: {row['errors'][0].splitlines()[0][:80]} |" + " |" * 13
                     )
                     continue
                 base = rows.get((precision, ws, f"zeroray-{row['stage']}"), {})
@@ -131,7 +133,7 @@ def markdown(rows: dict[tuple[str, int, str], dict], meta: dict) -> str:
                 cells = [
                     system + (" †" if row["teardown_crash"] else ""), str(row["stage"]), f"{row['median_s']:.3f}",
                     f"{m['params'] / MIB:.1f}", f"{m['grads'] / MIB:.1f}", f"{m['optimizer'] / MIB:.1f}",
-                    f"{row['mem_total'] / MIB:.1f}", f"{row['formula'] / MIB:.1f}", f"{row['live'] / MIB:.1f}", f"{row['rss'] / MIB:.0f}",
+                    f"{row['mem_total'] / MIB:.1f}", f"{row['formula'] / MIB:.1f}", f"{row['live'] / MIB:.1f}", f"{row['rss'] / MIB:.0f}", f"{row['rss_growth'] / MIB:.0f}",
                     f"{row['comm'] / MIB:.1f}", row["comm_source"], *ratios,
                 ]  # fmt: skip
                 lines.append("| " + " | ".join(cells) + " |")
@@ -139,6 +141,32 @@ def markdown(rows: dict[tuple[str, int, str], dict], meta: dict) -> str:
     if any(r.get("teardown_crash") for r in rows.values()):
         lines += ["† a rank exited abnormally while tearing down, after all its numbers were in.", ""]
     return "\n".join(lines)
+
+
+# (zeroray system, peer, field, goal): zeroray / peer must be at most goal (issue 5's targets).
+TARGETS = [
+    ("zeroray-1", "ddp", "median_s", 1.05),
+    ("zeroray-2", "ddp", "median_s", 1.10),
+    ("zeroray-3", "fsdp2-reshard", "median_s", 0.95),
+    ("zeroray-3", "deepspeed-3", "median_s", 1.00),
+    ("zeroray-3", "zeroray-0", "rss_growth", 0.35),
+]
+
+
+def targets(rows: dict[tuple[str, int, str], dict]) -> list[str]:
+    """The targets as measured in this run: each ratio, its goal, met or missed."""
+    out = ["## Targets", "", "| precision | world | ratio | measured | goal | |", "|---|---|---|---|---|---|"]
+    for precision, ws in sorted({k[:2] for k in rows}):
+        for mine, peer, field, goal in TARGETS:
+            a, b = rows.get((precision, ws, mine), {}), rows.get((precision, ws, peer), {})
+            if field in a and field in b and b[field]:
+                r = a[field] / b[field]
+                what = "step time" if field == "median_s" else "peak RSS growth"
+                out.append(
+                    f"| {precision} | {ws} | {mine} ÷ {peer} {what} | {r:.2f} | ≤ {goal:.2f} | "
+                    f"{'met' if r <= goal else '**missed**'} |"
+                )
+    return out + [""] if len(out) > 4 else []
 
 
 def plots(rows: dict[tuple[str, int, str], dict], out_dir: Path) -> list[Path]:

@@ -13,7 +13,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from measure import CommCounter, live_storages, peak_rss_bytes, storages
+from measure import CommCounter, current_rss_bytes, live_storages, peak_rss_bytes, storages
 from systems import System, build
 
 from zeroray.models.gpt import GPT, GPTConfig
@@ -53,6 +53,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = GPTConfig.for_params(args.params, block_size=max(256, args.seq))
+    rss_base = current_rss_bytes()  # after imports and the process group, before the model
     torch.manual_seed(0)
     model = GPT(cfg)
     n_params = model.num_params()
@@ -90,6 +91,7 @@ def main() -> None:
         "reported_memory": reported_mem,
         "live_tensor_bytes": sum(live.values()),
         "peak_rss": peak_rss_bytes(),
+        "rss_base": rss_base,
         "comm_measured": counter.bytes,
         "comm_reported": reported_comm,
     }

@@ -37,7 +37,7 @@ class ZeroConfig:
     # Communication.
     reduce_bucket_size: int = 5_000_000
     allgather_bucket_size: int = 50_000_000
-    prefetch_bucket_size: int = 50_000_000
+    prefetch_bucket_size: int = 5_000_000  # stage 3: gather ahead up to this many elements (>= one unit)
     overlap_comm: bool = True
     # None = chosen by backend: reduce-scatter on NCCL, all-reduce on gloo (cheaper there, NOTES.md).
     reduce_scatter: bool | None = None

@@ -150,7 +150,7 @@ class ZeroEngine:
             self.groups,
             stage=self.stage,
             overlap=config.overlap_comm,
-            max_inflight=max(config.reduce_bucket_size, max(g.padded for g in self.groups)),
+            max_inflight=config.reduce_bucket_size,
             on_reduced=self.fetcher.on_reduced if self.fetcher else None,
         )
         self.comm.reset()  # the report counts training traffic, not set-up

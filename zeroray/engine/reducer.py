@@ -10,7 +10,8 @@ the group's reduction is launched asynchronously, overlapping the rest of backwa
 
 ``finish()`` (end of backward) reduces groups whose parameters got no gradient, so every rank issues
 the same collectives, and waits for all. In-flight temporaries are bounded by
-``reduce_bucket_size`` elements so stage 2-3 never hold the full gradients at once.
+``reduce_bucket_size`` elements (at least one reduction may always be in flight) so stages 2-3
+never hold the full gradients at once.
 """
 
 from __future__ import annotations
@@ -108,9 +109,11 @@ class GradReducer:
         del self._bufs[g]
         self._remaining[g] = -1  # launched
         handle = g.reduce(buf, async_op=True)
-        if buf is not g.grad_full:
+        temporary = buf is not g.grad_full
+        if temporary:
             handle = handle.then(lambda: self._pool.setdefault((g.padded, g.compute_dtype), []).append(buf))
-        self._inflight.append((handle, g.padded))
+        # Only temporaries count against the bound: persistent buffers (stages 0-1) cost nothing.
+        self._inflight.append((handle, g.padded if temporary else 0))
         while len(self._inflight) > 1 and sum(n for _, n in self._inflight) > self.max_inflight:
             self._inflight.popleft()[0].wait()
         if self.on_reduced is not None:
