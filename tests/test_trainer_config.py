@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from zeroray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, ZeroTrainer
-from zeroray.train.checkpoint_manager import CheckpointManager, CheckpointRecord
+from zeroray.train.checkpoint_manager import Checkpoint, latest_checkpoint
 from zeroray.train.failure_policy import FailureDecision, FailurePolicy
 from zeroray.train.storage import RunStorage, StorageError
 from zeroray.train.worker_group import rank_layout
@@ -108,12 +108,13 @@ def test_failure_policy_counts_failures():
     assert all(unlimited.decide([]) is FailureDecision.RESTART for _ in range(50))
 
 
-def test_checkpoint_manager_keeps_the_newest():
-    mgr = CheckpointManager(CheckpointConfig(num_to_keep=2))
-    assert mgr.latest is None
-    dropped = [mgr.register(CheckpointRecord(f"ckpt-{i}", i)) for i in range(4)]
-    assert [[r.path for r in d] for d in dropped] == [[], [], ["ckpt-0"], ["ckpt-1"]]
-    assert mgr.latest.path == "ckpt-3"
+def test_latest_checkpoint_is_the_newest_committed_on_storage(tmp_path):
+    run = tmp_path / "run"
+    assert latest_checkpoint(str(run)) is None  # no run directory yet: a fresh start
+    for step, committed in [(2, True), (10, True), (12, False)]:  # 12: a save in flight or one that died
+        (run / f"checkpoint_{step}").mkdir(parents=True)
+        (run / f"checkpoint_{step}" / ("manifest.json" if committed else "rank-00000.bin")).write_text("{}")
+    assert latest_checkpoint(str(run)) == Checkpoint(f"{run}/checkpoint_10", 10)  # by step, not by name
 
 
 def test_history_appends_and_first_write_truncates(tmp_path):

@@ -1,6 +1,7 @@
 """zeroray.train: the Ray layer. Driver side: ZeroTrainer and its configs. Worker side (inside the loop):
 get_context, prepare, report, get_dataset_shard — the same shape as ``ray.train``."""
 
+from zeroray.train.checkpoint_manager import Checkpoint
 from zeroray.train.config import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from zeroray.train.context import TrainContext, get_context
 from zeroray.train.dataset import get_dataset_shard
@@ -17,6 +18,7 @@ __all__ = [
     "FailureConfig",
     "CheckpointConfig",
     "Result",
+    "Checkpoint",
     "TrainContext",
     "TrainingFailedError",
     "ReportMismatchError",

@@ -1,44 +1,80 @@
-"""Checkpoint manager: which checkpoints the run has, which to keep, which to resume from.
+"""The trainer's checkpoints: where ``zt.report(checkpoint=True)`` saves, what a (re)started group
+resumes from, and what ``Result.checkpoint`` names.
 
-Sharded saving is a later issue (zeroray.checkpoint). Its place is here: ``register`` is called by the
-controller when ranks report ``checkpoint=True`` and the manifest is committed; ``latest`` is what a
-restarted group loads; ``num_to_keep`` prunes older ones. Until saving lands nothing registers, and
-``latest`` is None, so ``Result.checkpoint`` is None.
+Storage is the one source of truth, kept by ``zeroray.checkpoint``: every rank writes its shard, rank 0
+commits the manifest and applies ``CheckpointConfig.num_to_keep`` (``zc.save``), and the newest
+committed ``<run>/checkpoint_<global step>`` is found by listing the run (``zc.latest_committed``). So
+a restart after a failure and a new ``fit()`` with the same name and storage path resume alike, at any
+world size and stage (the checkpoint reshards). The driver keeps no list of its own.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from zeroray.train.config import CheckpointConfig
+import torch.distributed as dist
+
+import zeroray.checkpoint as zc
+from zeroray.train.context import Session
 
 
 @dataclass(frozen=True)
-class CheckpointRecord:
-    """A committed checkpoint: where its manifest lives and the metrics reported with it."""
+class Checkpoint:
+    """A committed checkpoint of the run, as ``Result.checkpoint`` (like ``ray.train.Checkpoint``).
+
+    ``path``: the checkpoint directory's URL on ``RunConfig.storage_path``; pass it, with
+    ``RunConfig.storage_options``, to ``zeroray.checkpoint.load`` / ``export`` / ``Checkpoint(...).verify``.
+    ``step``: the engine's ``global_step`` when it was saved.
+    """
 
     path: str
-    global_step: int
-    metrics: dict[str, Any] = field(default_factory=dict)
+    step: int
 
 
-class CheckpointManager:
-    """Keeps the committed checkpoints of one run, oldest first."""
+def latest_checkpoint(run_url: str, storage_options: dict[str, Any] | None = None) -> Checkpoint | None:
+    """Driver side: the run's newest committed checkpoint on storage, or None."""
+    listed = zc.list_checkpoints(run_url, storage_options, read_manifests=False)
+    committed = [c for c in listed if c.committed]
+    return Checkpoint(committed[-1].url, committed[-1].step) if committed else None
 
-    def __init__(self, config: CheckpointConfig) -> None:
-        self.config = config
-        self.checkpoints: list[CheckpointRecord] = []
 
-    def register(self, record: CheckpointRecord) -> list[CheckpointRecord]:
-        """Add a committed checkpoint; returns the ones to delete under ``num_to_keep``."""
-        self.checkpoints.append(record)
-        keep = self.config.num_to_keep
-        if keep is None or len(self.checkpoints) <= keep:
-            return []
-        dropped, self.checkpoints = self.checkpoints[:-keep], self.checkpoints[-keep:]
-        return dropped
+def resume(session: Session) -> None:
+    """Collective, in ``zt.prepare``: load the newest committed checkpoint into the session's engine.
 
-    @property
-    def latest(self) -> CheckpointRecord | None:
-        return self.checkpoints[-1] if self.checkpoints else None
+    Rank 0 picks it and tells the others (on the report group), so every rank loads the same one even
+    if storage changes in between. A run without one starts fresh.
+    """
+    run_url, options = session.context.trial_dir, session.storage_options
+    choice = [zc.latest_committed(run_url, options) if session.context.get_world_rank() == 0 else None]
+    if session.report_group is not None:
+        dist.broadcast_object_list(choice, src=0, group=session.report_group)
+    url = choice[0]
+    if url is not None:
+        zc.load(session.engine, url, storage_options=options)
+
+
+def require_engine(session: Session) -> None:
+    """``zt.report(checkpoint=True)`` saves the engine ``zt.prepare`` built; say so when there is none."""
+    if session.engine is None:
+        raise RuntimeError(
+            "zt.report(..., checkpoint=True) saves the ZeRO engine built by zt.prepare(), but zt.prepare() "
+            "has not been called in this train loop yet: call engine = zt.prepare(model, optimizer) first"
+        )
+
+
+def save(session: Session) -> None:
+    """Collective, in ``zt.report`` (after ``require_engine``): save the engine to
+    ``<run>/checkpoint_<global step>``, sync or async per ``CheckpointConfig``; retention runs after the
+    commit."""
+    engine, cfg = session.engine, session.checkpoint_config
+    url = zc.checkpoint_url(session.context.trial_dir, engine.global_step)
+    zc.save(engine, url, async_=cfg.async_save, storage_options=session.storage_options,
+            num_to_keep=cfg.num_to_keep)
+
+
+def wait(session: Session) -> None:
+    """After the loop returns, before the rank reports done: join this rank's async save (on rank 0:
+    until it is committed), so teardown never cuts a checkpoint short."""
+    if session.engine is not None:
+        zc.wait(session.engine)

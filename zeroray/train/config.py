@@ -84,8 +84,8 @@ class ScalingConfig:
 class FailureConfig:
     """How many times the whole group may fail before the run fails.
 
-    A restart tears the group down, starts a new one and runs the loop again; the loop resumes from
-    ``engine.global_step`` (restored from the last checkpoint once checkpoints land). 0 = no restart;
+    A restart tears the group down, starts a new one and runs the loop again; ``zt.prepare`` loads the
+    newest committed checkpoint, so the loop resumes from ``engine.global_step``. 0 = no restart;
     -1 = restart without limit.
     """
 
@@ -101,7 +101,12 @@ class FailureConfig:
 
 @dataclass
 class CheckpointConfig:
-    """Which checkpoints to keep. Sharded checkpoint saving plugs in through checkpoint_manager.py."""
+    """How ``zt.report(metrics, checkpoint=True)`` saves.
+
+    ``num_to_keep``: committed checkpoints kept in the run directory (None = all); older ones are deleted
+    after each commit. ``async_save``: return from ``report`` after a host copy of the shards, and upload
+    and commit in the background (joined by the next save and at the end of the loop).
+    """
 
     num_to_keep: int | None = None
     async_save: bool = False
@@ -129,7 +134,10 @@ class RunConfig:
     """Where the run's files go and how it reacts to failures.
 
     ``storage_path`` is any fsspec URL (local path, ``s3://``, ``gs://``, ``memory://``...);
-    ``storage_options`` go to fsspec (e.g. ``{"endpoint_url": ...}`` for an S3-compatible store).
+    ``storage_options`` go to fsspec (e.g. ``{"endpoint_url": ...}`` for an S3-compatible store), in the
+    driver and in the rank actors, which write and read the checkpoints themselves. The run directory
+    ``<storage_path>/<name>`` is also what a run resumes from: a new ``fit()`` with the same name and
+    storage path continues from its newest committed checkpoint.
     ``progress_bar``: True/False, or None = a bar on a terminal and a log line every few seconds otherwise.
     """
 

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from zeroray.train.config import CheckpointConfig
+
 
 @dataclass(frozen=True)
 class RankInfo:
@@ -69,6 +71,8 @@ class Session:
     dataset_shards: dict[str, Any]
     report_group: Any  # a gloo process group for the report barrier (None when world_size == 1)
     metrics: Any  # RankMetrics or None
+    storage_options: dict[str, Any] | None = None  # RunConfig's, for the checkpoint writes and reads
+    checkpoint_config: CheckpointConfig = field(default_factory=CheckpointConfig)
     reports: queue.Queue = field(default_factory=queue.Queue)
     engine: Any = None
     num_reports: int = 0

@@ -2,7 +2,8 @@
 
 Each state has one handler returning the next state (see state.py for the graph). Policies decide;
 the controller only acts: the scaling policy says how big the next group is, the failure policy whether
-a failure restarts the group, the checkpoint manager (later) what a restarted group resumes from.
+a failure restarts the group. A (re)started group resumes from the run's newest committed checkpoint by
+itself (``zt.prepare``); the controller only reads storage to log it and to fill ``Result.checkpoint``.
 The controller lives in the driver process, so Ctrl-C reaches it directly and tears the group down.
 """
 
@@ -14,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from zeroray.train import state as S
-from zeroray.train.checkpoint_manager import CheckpointManager
+from zeroray.train.checkpoint_manager import Checkpoint, latest_checkpoint
 from zeroray.train.config import RunConfig, ScalingConfig
 from zeroray.train.errors import TrainingFailedError, WorkerFailure
 from zeroray.train.failure_policy import FailureDecision, FailurePolicy
@@ -54,7 +55,6 @@ class Controller:
         self.scaling_config, self.run_config = scaling_config, run_config
         self.datasets, self.storage = datasets, storage
         self.scaling_policy, self.failure_policy = scaling_policy, failure_policy
-        self.checkpoint_manager = CheckpointManager(run_config.checkpoint_config)
         self.samples_per_step = samples_per_step
         self.group: WorkerGroup | None = None
         self.history: list[dict[str, Any]] = []
@@ -122,6 +122,8 @@ class Controller:
                     "storage_path": self.run_config.storage_path,
                     "trial_dir": self.storage.url,
                     "zero_config": self.zero_config,
+                    "storage_options": self.run_config.storage_options,
+                    "checkpoint_config": self.run_config.checkpoint_config,
                 },
                 per_rank_datasets=self._split_datasets(state.decision.num_workers),
                 train_fn=self.train_fn,
@@ -196,9 +198,11 @@ class Controller:
     def _on_failure(self, failures: list[WorkerFailure]) -> S.ControllerState:
         decision = self.failure_policy.decide(failures)
         if decision is FailureDecision.RESTART:
+            latest = self._latest_checkpoint()
             logger.warning(
-                "zeroray: group failed (attempt %d), restarting:\n%s",
-                self.attempt, "\n".join(str(f) for f in failures),
+                "zeroray: group failed (attempt %d), restarting from %s:\n%s",
+                self.attempt, latest.path if latest else "the start (no committed checkpoint)",
+                "\n".join(str(f) for f in failures),
             )
             return S.Restarting(failures)
         return S.Errored(failures)
@@ -229,13 +233,21 @@ class Controller:
         except Exception as e:
             logger.warning("zeroray: could not write the metrics history to %s: %s", self.storage.url, e)
 
+    def _latest_checkpoint(self) -> Checkpoint | None:
+        """The newest committed checkpoint on storage; a listing that fails is logged, never fails the run."""
+        try:
+            return latest_checkpoint(self.storage.url, self.run_config.storage_options)
+        except Exception as e:
+            logger.warning("zeroray: could not list the checkpoints in %s: %s: %s", self.storage.url,
+                           type(e).__name__, e)
+            return None
+
     def _result(self, error: BaseException | None) -> Result:
-        latest = self.checkpoint_manager.latest
         return Result(
             metrics=self.last_metrics,
             metrics_history=list(self.history),
             path=self.storage.url,
-            checkpoint=latest,
+            checkpoint=self._latest_checkpoint(),
             error=error,
             attempts=self.attempt,
         )

@@ -1,8 +1,8 @@
 """Failure policy: after a group failure, restart it or give up.
 
 ``FailureConfig.max_failures`` counts group failures over the whole run (-1 = no limit). A restart
-starts a new group and runs the loop again from its start; the loop resumes from ``engine.global_step``
-once sharded checkpoints are loaded into the new group (a later issue).
+starts a new group and runs the loop again from its start; ``zt.prepare`` loads the newest committed
+checkpoint into the new group, so the loop resumes from ``engine.global_step``.
 """
 
 from __future__ import annotations

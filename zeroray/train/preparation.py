@@ -1,4 +1,5 @@
-"""``zt.prepare``: wrap the user's model and optimizer in a ZeRO engine with the trainer's config."""
+"""``zt.prepare``: wrap the user's model and optimizer in a ZeRO engine with the trainer's config, and
+resume it from the run's newest committed checkpoint, so ``engine.global_step`` says where the loop is."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Any
 
 import torch
 
+from zeroray.train import checkpoint_manager
 from zeroray.train.context import get_session
 
 
@@ -20,6 +22,11 @@ def prepare(
     The config is the trainer's ZeroConfig; the process group is the one the actors formed (WORLD).
     The optimizer may be built before this call: moving a module keeps its Parameter objects.
     ``lr_scheduler`` (``optimizer -> scheduler``) is passed to the engine, which steps it.
+
+    Collective: when the run (``<storage_path>/<name>``) has a committed checkpoint — after a restart,
+    or in a new ``fit()`` with the same name — every rank loads the newest one, whatever world size and
+    stage saved it: weights, optimizer and scheduler state, step counters. Loop from
+    ``engine.global_step`` on; use a new ``RunConfig.name`` to start from scratch.
     """
     session = get_session("prepare()")
     if session.engine is not None:
@@ -33,5 +40,6 @@ def prepare(
         model, optimizer=optimizer, config=session.zero_config, process_group=None, lr_scheduler=lr_scheduler
     )
     session.engine = engine
-    session.last_global_step = int(getattr(engine, "global_step", 0))
+    checkpoint_manager.resume(session)
+    session.last_global_step = engine.global_step
     return engine

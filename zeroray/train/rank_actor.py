@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from zeroray.train import rendezvous
+from zeroray.train import checkpoint_manager, rendezvous
+from zeroray.train.config import CheckpointConfig
 from zeroray.train.context import RankInfo, Session, TrainContext, set_session
 from zeroray.train.errors import WorkerFailure, is_collective_error
 
@@ -61,6 +62,8 @@ class RankActor:
         trial_dir: str,
         zero_config: Any,
         dataset_shards: dict[str, Any],
+        storage_options: dict[str, Any] | None,
+        checkpoint_config: CheckpointConfig,
     ) -> None:
         """Join the process group and build this rank's session."""
         device = torch.device("cuda", 0) if self.use_gpu else torch.device("cpu")
@@ -74,7 +77,8 @@ class RankActor:
         except Exception:  # no metrics agent (e.g. a minimal cluster): training does not depend on it
             metrics = None
         ctx = TrainContext(self.info, experiment_name, storage_path, device, trial_dir)
-        self.session = Session(ctx, zero_config, dataset_shards, report_group, metrics)
+        self.session = Session(ctx, zero_config, dataset_shards, report_group, metrics,
+                               storage_options=storage_options, checkpoint_config=checkpoint_config)
         set_session(self.session)
 
     # ------------------------------------------------------------------ the loop
@@ -94,6 +98,7 @@ class RankActor:
             if self.use_gpu:
                 torch.cuda.set_device(self.session.context.device)  # the current device is per thread
             train_fn(config) if pass_config else train_fn()
+            checkpoint_manager.wait(self.session)  # join an async save (rank 0: committed) before "done"
             finish(self.session)
         except BaseException as e:  # noqa: B036 - SystemExit in a loop is a failure too
             self.failure = WorkerFailure(

@@ -5,7 +5,9 @@ with one ``all_gather_object`` on a separate gloo group, so the barrier never to
 (possibly NCCL) streams; rank 0 then queues one combined report that the driver polls.
 
 When a rank's loop ends it joins one last exchange marked "done"; a rank still inside ``report`` then
-sees the marker and both raise ReportMismatchError instead of hanging.
+sees the marker and both raise ReportMismatchError instead of hanging. ``checkpoint=True`` travels in
+the same exchange, so ranks that disagree on it fail the same way before any rank starts a save (a
+collective of its own, see checkpoint_manager.py).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zeroray.train import checkpoint_manager
 from zeroray.train.context import Session, get_session
 from zeroray.train.errors import ReportMismatchError
 
@@ -83,27 +86,37 @@ def _check_mismatch(gathered: list[Any], num_reports: int) -> None:
             f"zt.report must be called by every rank the same number of times: rank(s) {done} finished "
             f"their loop after {num_reports} reports while rank(s) {still} called report once more"
         )
+    if done:
+        return
+    saving = [r for r, g in enumerate(gathered) if g["checkpoint"]]
+    if saving and len(saving) != len(gathered):
+        others = [r for r, g in enumerate(gathered) if not g["checkpoint"]]
+        raise ReportMismatchError(
+            f"zt.report(checkpoint=True) must be called by every rank at the same report: at report "
+            f"{num_reports + 1} rank(s) {saving} asked for a checkpoint and rank(s) {others} did not"
+        )
 
 
 def report(metrics: dict[str, Any], checkpoint: bool = False) -> None:
     """Report this step's metrics (rank 0's are kept); blocks until every rank has reported.
 
-    ``checkpoint=True`` will save a sharded checkpoint once zeroray.checkpoint lands; until then it
-    raises rather than pretend.
+    ``checkpoint=True`` (on every rank at the same report) also saves the engine from ``zt.prepare`` to
+    ``<storage_path>/<name>/checkpoint_<global step>``, every rank writing its shard, sync or async per
+    ``CheckpointConfig``; a restarted or resumed run starts from the newest committed one.
     """
     session = get_session("report()")
     if not isinstance(metrics, dict) or not all(isinstance(k, str) for k in metrics):
         raise TypeError(f"zt.report expects a dict with string keys, got {type(metrics).__name__}")
     if checkpoint:
-        raise NotImplementedError(
-            "zt.report(..., checkpoint=True): sharded checkpoints are not implemented yet in zeroray; "
-            "report without checkpoint=True for now"
-        )
+        checkpoint_manager.require_engine(session)
     plain = {k: _plain(v) for k, v in metrics.items()}
     stats = _rank_stats(session)
     is_rank0 = session.context.get_world_rank() == 0
-    gathered = _exchange(session, {"metrics": plain if is_rank0 else None, "stats": stats})
+    item = {"metrics": plain if is_rank0 else None, "stats": stats, "checkpoint": checkpoint}
+    gathered = _exchange(session, item)
     _check_mismatch(gathered, num_reports=session.num_reports)
+    if checkpoint:
+        checkpoint_manager.save(session)
     session.num_reports += 1
     if session.metrics is not None:
         session.metrics.record(plain, stats, session.num_reports)

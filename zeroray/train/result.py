@@ -5,18 +5,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from zeroray.train.checkpoint_manager import Checkpoint
+
 
 @dataclass
 class Result:
     """``metrics``: rank 0's last report; ``metrics_history``: every report in order, each with
     ``_report``, ``_time_s`` and ``_ranks`` (per-rank step time and memory); ``path``: the run's
-    directory URL; ``checkpoint``: the latest committed checkpoint (None until checkpoints land);
-    ``error``: the TrainingFailedError when the run failed."""
+    directory URL; ``checkpoint``: the run's newest committed checkpoint on storage, a
+    ``zeroray.train.Checkpoint`` (``.path`` URL, ``.step``), or None; ``error``: the
+    TrainingFailedError when the run failed."""
 
     metrics: dict[str, Any] | None
     metrics_history: list[dict[str, Any]]
     path: str
-    checkpoint: Any = None
+    checkpoint: Checkpoint | None = None
     error: BaseException | None = None
     attempts: int = 1
 

@@ -1,7 +1,8 @@
 """The run's directory ``<storage_path>/<name>/`` through fsspec, so any URL works (local, s3://, ...).
 
 The driver checks it is writable before any actor starts, and writes ``metrics.jsonl`` (one report a
-line, appended) and ``run.json`` (status, world size, error) there. Sharded checkpoints will live under it too.
+line, appended) and ``run.json`` (status, world size, error) there. The ranks write the sharded
+checkpoints under it (``checkpoint_<step>/``, see checkpoint_manager.py).
 """
 
 from __future__ import annotations
