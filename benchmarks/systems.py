@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from measure import optimizer_tensors
@@ -91,7 +92,21 @@ class System:
         pass
 
 
-class ZeroRay(System):
+class _Engine(System):
+    """A system driven the DeepSpeed way: ``engine(x)``, ``engine.backward(loss)``, ``engine.step()``."""
+
+    engine: Any
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        _, loss = self.engine(x, y)
+        self.engine.backward(loss)
+        return loss.item()
+
+    def optimizer_step(self) -> None:
+        self.engine.step()
+
+
+class ZeroRay(_Engine):
     comm_source = "comm_report()"
 
     def __init__(self, model: nn.Module, stage: int, precision: str) -> None:
@@ -103,13 +118,6 @@ class ZeroRay(System):
         )
         super().__init__(model, opt)
 
-    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        _, loss = self.engine(x, y)
-        self.engine.backward(loss)
-        return loss.item()
-
-    def optimizer_step(self) -> None:
-        self.engine.step()
 
     def memory_report(self) -> dict[str, int]:
         return dict(self.engine.memory_report())
@@ -152,7 +160,7 @@ def _fsdp2(model: nn.Module, reshard: bool, precision: str) -> System:
     return System(model, torch.optim.AdamW(model.parameters(), lr=LR))
 
 
-class _DeepSpeed(System):
+class _DeepSpeed(_Engine):
     def __init__(self, model: nn.Module, stage: int, precision: str, micro_batch: int) -> None:
         import deepspeed
 
@@ -183,13 +191,6 @@ class _DeepSpeed(System):
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
         super().__init__(self.engine.module, self.engine.optimizer)
 
-    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        _, loss = self.engine(x, y)
-        self.engine.backward(loss)
-        return loss.item()
-
-    def optimizer_step(self) -> None:
-        self.engine.step()
 
     def state_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         params = list(self.module.parameters())

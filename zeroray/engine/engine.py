@@ -287,7 +287,10 @@ class ZeroEngine:
 
     def load_shard_state(self, tensors: dict[str, dict[str, torch.Tensor]], meta: dict[str, Any]) -> None:
         """Collective: install shards (keyed like :meth:`shard_state`, for *this* engine's groups)
-        and ``meta``, then rebuild every rank's parameters from the loaded weights."""
+        and ``meta``, then rebuild every rank's parameters from the loaded weights.
+
+        The engine takes ownership of the optimizer-state tensors (no copy when device and dtype
+        already fit): hand it tensors nobody else writes to."""
         with torch.no_grad():
             for g in self.groups:
                 mine = tensors[g.name]
@@ -296,7 +299,7 @@ class ZeroEngine:
                 if g.trainable:
                     gi = g.param_group
                     state: dict[str, Any] = {
-                        k: v.reshape(-1).to(device=self.device, dtype=g.master.dtype, copy=True)
+                        k: v.reshape(-1).to(device=self.device, dtype=g.master.dtype)
                         for k, v in mine.items()
                         if k != "weight"
                     }
