@@ -28,7 +28,7 @@ from zeroray.checkpoint.storage import join_url, open_url, read_manifest
 from zeroray.checkpoint.writer import wait
 from zeroray.engine import GroupShard, ZeroEngine, layout
 
-_MAX_RUN = 16 << 20  # bytes per range read
+_MAX_RUN = 64 << 20  # bytes per range read
 _INFLIGHT = 4  # range reads in flight at once
 DTYPES = {
     name: getattr(torch, name)
