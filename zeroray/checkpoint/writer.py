@@ -246,9 +246,9 @@ def _commit(fs: AbstractFileSystem, path: str, url: str, c: _Commit) -> None:
 def _agree(engine: ZeroEngine, error: str | None, what: str) -> None:
     """Collective: raise on every rank if ``what`` failed on any rank."""
     errors = [error]
-    if engine.comm.group is not None:
+    if engine.process_group is not None:
         errors = [None] * engine.world_size
-        dist.all_gather_object(errors, error, group=engine.comm.group)
+        dist.all_gather_object(errors, error, group=engine.process_group)
     failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
     if failed:
         raise CheckpointError(f"{what} failed: " + "; ".join(failed))

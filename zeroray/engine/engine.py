@@ -92,6 +92,7 @@ class ZeroEngine:
         self.compute_dtype = _DTYPES[config.precision]
         self.gradient_accumulation_steps = config.gradient_accumulation_steps
         self.comm = Comm(process_group, config.reduce_scatter, config.all_gather_by_broadcast)
+        self.process_group = process_group  # None at world size 1 without torch.distributed
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         self.global_step = 0  # optimizer steps taken (skipped fp16 steps included)
         self.micro_step = 0
