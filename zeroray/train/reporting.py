@@ -17,6 +17,7 @@ import numbers
 import time
 from typing import Any
 
+import psutil
 import torch
 import torch.distributed as dist
 
@@ -28,12 +29,7 @@ _DONE = "__zeroray_done__"
 
 
 def _process_rss_bytes() -> int:
-    try:
-        import psutil
-
-        return int(psutil.Process().memory_info().rss)
-    except Exception:  # psutil comes with ray[default]; stay usable without it
-        return 0
+    return int(psutil.Process().memory_info().rss)
 
 
 def _plain(value: Any) -> Any:
