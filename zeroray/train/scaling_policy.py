@@ -7,6 +7,7 @@ in here: ``decide_for_new_group`` may return fewer workers after a failure, and
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 from zeroray.train.config import ScalingConfig
@@ -20,14 +21,15 @@ class ScalingDecision:
     resources_per_worker: dict[str, float]
 
 
-class ScalingPolicy:
+class ScalingPolicy(ABC):
     """Base: decisions for a group about to start and for a running one."""
 
     def __init__(self, scaling_config: ScalingConfig) -> None:
         self.scaling_config = scaling_config
 
+    @abstractmethod
     def decide_for_new_group(self) -> ScalingDecision:
-        raise NotImplementedError
+        """How many ranks, with what resources, the next group starts with."""
 
     def decide_while_running(self, num_workers: int) -> ScalingDecision | None:
         """None = keep the group as it is."""
