@@ -31,7 +31,7 @@ except ImportError:  # run from a checkout without `pip install -e .`
 import zeroray.train as zt
 from zeroray import ZeroConfig
 from zeroray.models.gpt import GPT, GPTConfig
-from zeroray.train import FailureConfig, RunConfig, ScalingConfig, ZeroTrainer
+from zeroray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, ZeroTrainer
 
 DATA = Path(__file__).resolve().parent / "data" / "corpus.txt"
 
@@ -97,13 +97,14 @@ def train_loop(config: dict[str, Any]) -> None:
         if engine.global_step == step:  # inside a gradient-accumulation cycle
             continue
         metrics = {"loss": loss.item(), "lr": lr_at(step, config)}
-        if engine.global_step % config["eval_every"] == 0 or engine.global_step == config["steps"]:
+        evaluate = engine.global_step % config["eval_every"] == 0 or engine.global_step == config["steps"]
+        if evaluate:
             model.eval()
             with torch.no_grad():
                 xv, yv = get_batch(val_data, batch, block, val_gen)
                 metrics["val_loss"] = engine(xv.to(device), yv.to(device))[1].item()
             model.train()
-        zt.report(metrics)
+        zt.report(metrics, checkpoint=evaluate)  # every rank writes its shard; rerun with --name to resume
 
     model.eval()
     text = sample(engine, b"Ada ", 160, block, device)
@@ -152,12 +153,14 @@ def main() -> None:
             name=args.name or "gpt-" + time.strftime("%Y%m%d-%H%M%S"),
             storage_path=args.storage_path,
             failure_config=FailureConfig(max_failures=args.max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=2),
         ),
     )
     result = trainer.fit()
 
     history = [h for h in result.metrics_history if "loss" in h]
-    print(f"\nloss: {history[0]['loss']:.3f} at step 1 -> {history[-1]['loss']:.3f} at step {len(history)}")
+    print(f"\nloss: {history[0]['loss']:.3f} at step {history[0]['_global_step']} -> "
+          f"{history[-1]['loss']:.3f} at step {history[-1]['_global_step']}")
     for h in history:
         if "val_loss" in h:
             secs = f"{h['_step_time_s']:.2f} s/step" if h["_step_time_s"] is not None else ""
@@ -169,6 +172,9 @@ def main() -> None:
     for rank, mem in sorted(result.memory_by_rank.items()):
         print(f"  {rank:4d} " + "".join(f"{mem.get(c, 0) / 2**20:13.2f}" for c in cats))
     print(f"\nmetrics history: {result.path}/metrics.jsonl")
+    if result.checkpoint is not None:
+        print(f"newest checkpoint: {result.checkpoint.path} (step {result.checkpoint.step}); "
+              f"list them with: zeroray ls {result.path}")
 
 
 if __name__ == "__main__":
