@@ -12,7 +12,7 @@ are the right primitives. ``ZeroConfig.reduce_scatter`` / ``all_gather_by_broadc
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 
 import torch
@@ -47,6 +47,31 @@ class Handle:
         self.done = True
         if self._then is not None:
             self._then()
+
+
+class InFlight:
+    """Outstanding collectives, waited oldest first once they hold more than ``limit`` elements
+    (one may always be in flight): bounds the temporaries that async collectives keep alive."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._queue: deque[tuple[Handle, int]] = deque()
+        self._numel = 0
+
+    def add(self, handle: Handle, numel: int) -> None:
+        self._queue.append((handle, numel))
+        self._numel += numel
+        while len(self._queue) > 1 and self._numel > self.limit:
+            self._pop()
+
+    def wait_all(self) -> None:
+        while self._queue:
+            self._pop()
+
+    def _pop(self) -> None:
+        handle, numel = self._queue.popleft()
+        self._numel -= numel
+        handle.wait()
 
 
 class Comm:

@@ -23,7 +23,7 @@ from torch import nn
 
 from zeroray.config import ZeroConfig
 from zeroray.engine import units as unit_plan
-from zeroray.engine.comm import Comm, Handle
+from zeroray.engine.comm import Comm, Handle, InFlight
 from zeroray.engine.fetch import UnitFetcher
 from zeroray.engine.flat_group import FlatGroup
 from zeroray.engine.layout import TensorSlot
@@ -199,9 +199,11 @@ class ZeroEngine:
             for g, t in grads.items():
                 g.opt_param.grad = t
             self.optimizer.step()
-            handles = [g.publish_master() for g in self.groups if g.trainable]
-            for h in handles:
-                h.wait()
+            # Stages 1-2 all-gather the updated parameters, allgather_bucket_size elements at a time.
+            gathers = InFlight(self.config.allgather_bucket_size)
+            for g in trainable:
+                gathers.add(g.publish_master(), g.padded)
+            gathers.wait_all()
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         for g in trainable:

@@ -16,13 +16,12 @@ never hold the full gradients at once.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Sequence
 from functools import partial
 
 import torch
 
-from zeroray.engine.comm import Handle
+from zeroray.engine.comm import InFlight
 from zeroray.engine.flat_group import FlatGroup
 
 
@@ -39,14 +38,13 @@ class GradReducer:
         self.groups = [g for g in groups if g.trainable]
         self.stage = stage
         self.overlap = overlap
-        self.max_inflight = max_inflight
         self.on_reduced = on_reduced
         self.active = False
         self.boundary = True
         self._bufs: dict[FlatGroup, torch.Tensor] = {}
         self._written: dict[FlatGroup, list[bool]] = {}  # per fresh buffer: slots copied so far
         self._remaining: dict[FlatGroup, int] = {}
-        self._inflight: deque[tuple[Handle, int]] = deque()
+        self._inflight = InFlight(max_inflight)
         # Temporaries of stages 2-3, reused across backwards (as DeepSpeed's reduce bucket), so
         # a step does not pay fresh allocations and page faults for every bucket.
         self._pool: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
@@ -113,9 +111,7 @@ class GradReducer:
         if temporary:
             handle = handle.then(lambda: self._pool.setdefault((g.padded, g.compute_dtype), []).append(buf))
         # Only temporaries count against the bound: persistent buffers (stages 0-1) cost nothing.
-        self._inflight.append((handle, g.padded if temporary else 0))
-        while len(self._inflight) > 1 and sum(n for _, n in self._inflight) > self.max_inflight:
-            self._inflight.popleft()[0].wait()
+        self._inflight.add(handle, g.padded if temporary else 0)
         if self.on_reduced is not None:
             self.on_reduced(g)
 
@@ -130,8 +126,7 @@ class GradReducer:
         else:  # accumulating locally: what was not written this micro-step must read as zero
             for g, buf in self._bufs.items():
                 self._seal(g, buf)
-        while self._inflight:
-            self._inflight.popleft()[0].wait()
+        self._inflight.wait_all()
         self.active = False
 
     def cached_bytes(self) -> int:
