@@ -318,3 +318,8 @@ def test_cli_ls_and_export(base: Path, w2: list[dict], tmp_path: Path, capsys: p
         assert torch.equal(got[name], t.to(torch.bfloat16)), name
     assert main(["export", str(run / "checkpoint_9"), str(out)]) == 1
     assert "not a committed checkpoint" in capsys.readouterr().err
+
+    empty = tmp_path / "empty-run"
+    empty.mkdir()
+    assert main(["ls", str(empty)]) == 0
+    assert capsys.readouterr().out.strip() == f"no checkpoints under {empty}"

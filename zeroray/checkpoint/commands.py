@@ -75,6 +75,9 @@ def _ls(run_url: str, verify: bool, storage_options: dict[str, Any] | None) -> i
                     status, bad = f"BAD: {e}", bad + 1
             row.append(status)
         rows.append((*row, c.url))
+    if len(rows) == 1:
+        print(f"no checkpoints under {run_url}")
+        return 0
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     for r in rows:
         print("  ".join(f"{v:<{w}}" for v, w in zip(r, widths)) + "  " + r[-1])
