@@ -19,9 +19,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, out_dir: str, fn: Callable, args: tuple) -> None:
+def _entry(rank: int, world: int, out_dir: str, fn: Callable, args: tuple) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    # A file store: no port to pick, so concurrent runs cannot race for one.
+    store = os.path.join(out_dir, "rendezvous")
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         result = fn(rank, world, *args)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -32,5 +34,5 @@ def _entry(rank: int, world: int, port: int, out_dir: str, fn: Callable, args: t
 def run_ranks(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]:
     """``fn(rank, world, *args)`` on ``world`` spawned processes; returns each rank's result."""
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_entry, args=(world, free_port(), out_dir, fn, args), nprocs=world, join=True)
+        mp.spawn(_entry, args=(world, out_dir, fn, args), nprocs=world, join=True)
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
