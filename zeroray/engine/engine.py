@@ -23,7 +23,7 @@ from torch import nn
 
 from zeroray.config import ZeroConfig
 from zeroray.engine import units as unit_plan
-from zeroray.engine.comm import Comm, Handle, InFlight
+from zeroray.engine.comm import Comm, InFlight
 from zeroray.engine.fetch import UnitFetcher
 from zeroray.engine.flat_group import FlatGroup
 from zeroray.engine.layout import TensorSlot
@@ -199,11 +199,7 @@ class ZeroEngine:
             for g, t in grads.items():
                 g.opt_param.grad = t
             self.optimizer.step()
-            # Stages 1-2 all-gather the updated parameters, allgather_bucket_size elements at a time.
-            gathers = InFlight(self.config.allgather_bucket_size)
-            for g in trainable:
-                gathers.add(g.publish_master(), g.padded)
-            gathers.wait_all()
+            self._publish(trainable)
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         for g in trainable:
@@ -312,9 +308,7 @@ class ZeroEngine:
                         self.optimizer.state[g.opt_param] = state
                     else:
                         self.optimizer.state.pop(g.opt_param, None)
-            handles = [g.publish_master() if g.trainable else self._publish_frozen(g) for g in self.groups]
-            for h in handles:
-                h.wait()
+            self._publish(self.groups)
         # Hyperparameters an LR scheduler changed (lr, ...), as torch's Optimizer.load_state_dict does.
         for group, saved in zip(self.optimizer.param_groups, meta.get("param_groups", [])):
             for k, v in saved.items():
@@ -328,21 +322,25 @@ class ZeroEngine:
         if self.lr_scheduler is not None and meta.get("lr_scheduler") is not None:
             self.lr_scheduler.load_state_dict(meta["lr_scheduler"])
 
-    def _publish_frozen(self, g: FlatGroup) -> Handle:
-        if g.stage in (1, 2):
-            return self.comm.all_gather(g.full, g.shard, async_op=True)
-        return Handle()
+    def _publish(self, groups: list[FlatGroup]) -> None:
+        """Rebuild the compute parameters from the (new) master shards; stages 1-2 all-gather
+        them, allgather_bucket_size elements at a time."""
+        gathers = InFlight(self.config.allgather_bucket_size)
+        for g in groups:
+            gathers.add(g.publish_master(), g.padded)
+        gathers.wait_all()
 
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds persistently, by category (master weights count under optimizer)."""
         opt_state = sum(t.numel() * t.element_size() for t in state_tensors(self.optimizer, self._all_opt_params()))
+        master = sum(g.master_bytes() for g in self.groups)
         report = {
             "params": sum(g.param_bytes() for g in self.groups),
             "grads": sum(g.grad_bytes() for g in self.groups),
-            "optimizer": sum(g.master_bytes() for g in self.groups) + opt_state,
+            "optimizer": master + opt_state,
             "buffers": sum(b.numel() * b.element_size() for b in self.module.buffers()),
         }
-        report["master_weights"] = sum(g.master_bytes() for g in self.groups)
+        report["master_weights"] = master
         report["grad_buffers_cached"] = self.reducer.cached_bytes()  # reused temporaries, stages 2-3
         report["optimizer_states"] = opt_state
         report["total"] = report["params"] + report["grads"] + report["optimizer"] + report["buffers"]

@@ -126,8 +126,7 @@ class FlatGroup:
         if self.stage != 3 or self.state is ParamState.FREED:
             return
         if self.state is ParamState.GATHERING:
-            self._gather.wait()
-            self._gather = None
+            self.wait_gather()
         self._free_storage()
 
     # ------------------------------------------------------------------ gradients
