@@ -173,9 +173,9 @@ class _DeepSpeed(_Engine):
         zc = ZeroConfig()
         zero = {
             "stage": stage,
-            "reduce_bucket_size": zc.reduce_bucket_size,
-            "allgather_bucket_size": zc.allgather_bucket_size,
-            "stage3_prefetch_bucket_size": zc.prefetch_bucket_size,
+            "reduce_bucket_size": zc.comm.reduce_bucket_size,
+            "allgather_bucket_size": zc.comm.allgather_bucket_size,
+            "stage3_prefetch_bucket_size": zc.comm.prefetch_bucket_size,
             "stage3_param_persistence_threshold": 0,
         }
         config = {

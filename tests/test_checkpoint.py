@@ -32,7 +32,7 @@ def make_engine(stage: int, seed: int = 0, **model_kw: Any) -> ZeroEngine:
     """TinyLM with AdamW over two param groups, clipping and a StepLR schedule."""
     torch.manual_seed(seed)
     model = TinyLM(**model_kw)
-    cfg = zeroray.ZeroConfig(stage=stage, reduce_bucket_size=500, gradient_clipping=0.5)
+    cfg = zeroray.ZeroConfig(stage=stage, comm={"reduce_bucket_size": 500}, gradient_clipping=0.5)
     return zeroray.initialize(
         model,
         torch.optim.AdamW(param_groups(model), lr=1e-2),

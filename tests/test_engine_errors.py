@@ -14,7 +14,7 @@ from tests.dist_harness import run_ranks
 
 
 def test_stage_out_of_range() -> None:
-    with pytest.raises(ValueError, match="stage must be 0, 1, 2 or 3, got 5"):
+    with pytest.raises(ValueError, match="stage: must be 0, 1, 2 or 3, got 5"):
         zeroray.ZeroConfig(stage=5)
     with pytest.raises(ValueError, match="zero_optimization.stage"):
         zeroray.ZeroConfig.from_deepspeed({"zero_optimization": {"stage": 5}})

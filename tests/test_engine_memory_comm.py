@@ -51,7 +51,7 @@ def _worker(rank: int, world: int) -> dict:
             engine = zeroray.initialize(
                 model,
                 torch.optim.AdamW(model.parameters(), lr=1e-3),
-                zeroray.ZeroConfig(stage=stage, precision=precision, reduce_scatter=True, all_gather_by_broadcast=False),
+                zeroray.ZeroConfig(stage=stage, precision=precision, comm={"reduce_scatter": True, "all_gather_by_broadcast": False}),
             )
             x = torch.randn(4, 127, dtype=dtype)
             engine.backward(engine(x))

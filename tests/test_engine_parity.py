@@ -43,8 +43,10 @@ def _zero(model: torch.nn.Module, data: list, stage: int, precision: str) -> tup
         precision=precision,
         gradient_accumulation_steps=GAS,
         gradient_clipping=CLIP,
-        reduce_bucket_size=500,  # several buckets even on this small model
-        allgather_bucket_size=700,  # stages 1-2 wait for earlier parameter gathers
+        comm={
+            "reduce_bucket_size": 500,  # several buckets even on this small model
+            "allgather_bucket_size": 700,  # stages 1-2 wait for earlier parameter gathers
+        },
     )
     engine = zeroray.initialize(model, torch.optim.AdamW(param_groups(model), lr=LR), cfg)
     losses, norms = [], []

@@ -7,6 +7,7 @@ finds what they know; :meth:`ZeroConfig.from_deepspeed` reads such a JSON file o
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -14,27 +15,85 @@ from typing import Any, Literal
 Precision = Literal["fp32", "bf16", "fp16"]
 OffloadDevice = Literal["none", "cpu", "nvme"]
 
-
-@dataclass
-class OffloadConfig:
-    """Where a state lives between uses (DeepSpeed's ``offload_optimizer`` / ``offload_param``)."""
-
-    device: OffloadDevice = "none"
-    nvme_path: str | None = None
-    pin_memory: bool = False
+_PRECISIONS = ("fp32", "bf16", "fp16")
 
 
-@dataclass
-class ZeroConfig:
-    """All settings of the ZeRO engine. Sizes are in elements, as in DeepSpeed."""
+class ConfigError(ValueError):
+    """A bad setting. ``field`` is its dotted path in :class:`ZeroConfig` (``comm.reduce_bucket_size``),
+    so a reader of another format (DeepSpeed JSON) can name the key the user wrote instead."""
 
-    stage: int = 0
-    precision: Precision = "fp32"
-    gradient_accumulation_steps: int | None = None
-    gradient_clipping: float = 0.0
-    train_micro_batch_size_per_gpu: int | None = None
-    train_batch_size: int | None = None
-    # Communication.
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"ZeroConfig.{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+def _positive_int(field: str, v: Any, what: str = "a positive integer") -> None:
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise ConfigError(field, f"must be {what}, got {v!r}")
+
+
+@dataclass(frozen=True)
+class PrecisionPolicy:
+    """The dtype of each copy of the weights and gradients, like FSDP2's ``MixedPrecisionPolicy``.
+
+    ``param_dtype``: parameters and gradients in forward/backward; ``reduce_dtype``: gradients while
+    they are reduced and accumulated (None = ``param_dtype``); ``master_dtype``: the copy the optimizer
+    updates. fp16 parameters turn on dynamic loss scaling. ``"bf16"`` is short for
+    ``PrecisionPolicy(param_dtype="bf16")``.
+    """
+
+    param_dtype: Precision = "fp32"
+    reduce_dtype: Precision | None = None
+    master_dtype: Precision = "fp32"
+
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype", "master_dtype"):
+            v = getattr(self, name)
+            if v is None and name == "reduce_dtype":
+                continue
+            if v not in _PRECISIONS:
+                raise ConfigError(f"precision.{name}", f"must be 'fp32', 'bf16' or 'fp16', got {v!r}")
+        if self.master_dtype != "fp32":
+            raise ConfigError("precision.master_dtype", f"only 'fp32' master weights are supported, got {self.master_dtype!r}")
+
+    @classmethod
+    def coerce(cls, value: PrecisionPolicy | str) -> PrecisionPolicy:
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str) and value in _PRECISIONS:
+            return cls(param_dtype=value)  # type: ignore[arg-type]
+        raise ConfigError("precision", f"must be 'fp32', 'bf16', 'fp16' or a PrecisionPolicy, got {value!r}")
+
+    @property
+    def loss_scaling(self) -> bool:
+        return self.param_dtype == "fp16"
+
+    @property
+    def name(self) -> str:
+        """``"bf16"`` for the plain policies, else every dtype spelled out."""
+        if self.reduce_dtype in (None, self.param_dtype) and self.master_dtype == "fp32":
+            return self.param_dtype
+        return f"param={self.param_dtype},reduce={self.reduce_dtype or self.param_dtype},master={self.master_dtype}"
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """What a ZeRO stage shards, as named flags (stage 1: optimizer states; 2: + gradients; 3: + parameters)."""
+
+    shards_optimizer: bool
+    shards_grads: bool
+    shards_params: bool
+
+    @classmethod
+    def for_stage(cls, stage: int) -> Sharding:
+        return cls(shards_optimizer=stage >= 1, shards_grads=stage >= 2, shards_params=stage >= 3)
+
+
+@dataclass(frozen=True)
+class CommConfig:
+    """Communication. Sizes are in elements, as in DeepSpeed."""
+
     reduce_bucket_size: int = 5_000_000
     allgather_bucket_size: int = 50_000_000
     prefetch_bucket_size: int = 5_000_000  # stage 3: gather ahead up to this many elements (>= one unit)
@@ -43,63 +102,116 @@ class ZeroConfig:
     reduce_scatter: bool | None = None
     # None = chosen by backend: one broadcast per rank's shard on gloo, all_gather on NCCL.
     all_gather_by_broadcast: bool | None = None
-    # Stage 3 units: module names or class names; None = blocks of each nn.ModuleList, else top-level children.
-    units: list[str] | None = None
-    # fp16 dynamic loss scaling (DeepSpeed's ``fp16`` block). loss_scale > 0 means a static scale.
+
+    def validate(self) -> None:
+        for name in ("reduce_bucket_size", "allgather_bucket_size", "prefetch_bucket_size"):
+            _positive_int(f"comm.{name}", getattr(self, name), "a positive number of elements")
+
+
+@dataclass(frozen=True)
+class LossScaleConfig:
+    """fp16 dynamic loss scaling (DeepSpeed's ``fp16`` block). ``loss_scale`` > 0 means a static scale."""
+
     loss_scale: float = 0.0
     initial_scale_power: int = 16
     loss_scale_window: int = 1000
     hysteresis: int = 2
     min_loss_scale: float = 1.0
+
+    def validate(self) -> None:
+        if not self.loss_scale >= 0:
+            raise ConfigError("loss_scaling.loss_scale", f"must be >= 0 (0 = dynamic), got {self.loss_scale!r}")
+        if not self.min_loss_scale > 0:
+            raise ConfigError("loss_scaling.min_loss_scale", f"must be > 0, got {self.min_loss_scale!r}")
+        _positive_int("loss_scaling.loss_scale_window", self.loss_scale_window)
+        _positive_int("loss_scaling.hysteresis", self.hysteresis)
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """Where a state lives between uses (DeepSpeed's ``offload_optimizer`` / ``offload_param``)."""
+
+    device: OffloadDevice = "none"
+    nvme_path: str | None = None
+    pin_memory: bool = False
+
+    def validate(self, field: str) -> None:
+        if self.device not in ("none", "cpu", "nvme"):
+            raise ConfigError(f"{field}.device", f"must be 'none', 'cpu' or 'nvme', got {self.device!r}")
+        if self.device != "none":
+            raise ConfigError(
+                f"{field}.device",
+                f"{self.device!r}: offload is not available in this version of zeroray yet; use device='none'",
+            )
+
+
+_SUB = {"comm": CommConfig, "loss_scaling": LossScaleConfig, "offload_optimizer": OffloadConfig, "offload_param": OffloadConfig}
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """All settings of the ZeRO engine, validated on construction (the only validator).
+
+    Sub-configs may be given as dicts and the precision as a string (``precision="bf16"``).
+    """
+
+    stage: int = 0
+    precision: PrecisionPolicy = field(default_factory=PrecisionPolicy)
+    gradient_accumulation_steps: int | None = None
+    gradient_clipping: float = 0.0
+    train_micro_batch_size_per_gpu: int | None = None
+    train_batch_size: int | None = None
+    # Stage 3 units: module names or class names; None = blocks of each nn.ModuleList, else top-level children.
+    units: tuple[str, ...] | None = None
     # Optimizer / scheduler named in the config ({"type": ..., "params": {...}}), used when
     # zeroray.initialize gets no optimizer.
     optimizer: dict[str, Any] | None = None
     scheduler: dict[str, Any] | None = None
+    comm: CommConfig = field(default_factory=CommConfig)
+    loss_scaling: LossScaleConfig = field(default_factory=LossScaleConfig)
     offload_optimizer: OffloadConfig = field(default_factory=OffloadConfig)
     offload_param: OffloadConfig = field(default_factory=OffloadConfig)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "precision", PrecisionPolicy.coerce(self.precision))
+        for name, cls in _SUB.items():
+            v = getattr(self, name)
+            if isinstance(v, dict):
+                try:
+                    v = cls(**v)
+                except TypeError as e:
+                    raise ConfigError(name, str(e)) from None
+                object.__setattr__(self, name, v)
+        if isinstance(self.units, list):
+            object.__setattr__(self, "units", tuple(self.units))
         self.validate()
+
+    @property
+    def sharding(self) -> Sharding:
+        return Sharding.for_stage(self.stage)
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
-        """Raise ValueError naming the first bad field; called on construction."""
+        """Raise :class:`ConfigError` naming the first bad field; called on construction."""
         if isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
-            raise ValueError(f"ZeroConfig.stage must be 0, 1, 2 or 3, got {self.stage!r}")
-        if self.precision not in ("fp32", "bf16", "fp16"):
-            raise ValueError(f"ZeroConfig.precision must be 'fp32', 'bf16' or 'fp16', got {self.precision!r}")
+            raise ConfigError("stage", f"must be 0, 1, 2 or 3, got {self.stage!r}")
         for name in ("gradient_accumulation_steps", "train_micro_batch_size_per_gpu", "train_batch_size"):
             v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-                raise ValueError(f"ZeroConfig.{name} must be a positive integer, got {v!r}")
-        for name in ("reduce_bucket_size", "allgather_bucket_size", "prefetch_bucket_size"):
+            if v is not None:
+                _positive_int(name, v)
+        clip = self.gradient_clipping
+        if isinstance(clip, bool) or not isinstance(clip, (int, float)) or not math.isfinite(clip) or clip < 0:
+            raise ConfigError("gradient_clipping", f"must be a finite number >= 0 (0 = off), got {clip!r}")
+        self.comm.validate()
+        self.loss_scaling.validate()
+        self.offload_optimizer.validate("offload_optimizer")
+        self.offload_param.validate("offload_param")
+        if self.units is not None and (isinstance(self.units, str) or not all(isinstance(u, str) for u in self.units)):
+            raise ConfigError("units", f"must be a list of module or class names, got {self.units!r}")
+        for name in ("optimizer", "scheduler"):
             v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"ZeroConfig.{name} must be a positive number of elements, got {v!r}")
-        if self.gradient_clipping < 0:
-            raise ValueError(f"ZeroConfig.gradient_clipping must be >= 0 (0 = off), got {self.gradient_clipping}")
-        if self.loss_scale < 0 or self.min_loss_scale <= 0 or self.loss_scale_window < 1 or self.hysteresis < 1:
-            raise ValueError(
-                "fp16 loss scaling needs loss_scale >= 0, min_loss_scale > 0, loss_scale_window >= 1, "
-                f"hysteresis >= 1; got {self.loss_scale}, {self.min_loss_scale}, "
-                f"{self.loss_scale_window}, {self.hysteresis}"
-            )
-        for name in ("offload_optimizer", "offload_param"):
-            off = getattr(self, name)
-            if isinstance(off, dict):
-                off = OffloadConfig(**off)
-                setattr(self, name, off)
-            if off.device not in ("none", "cpu", "nvme"):
-                raise ValueError(f"ZeroConfig.{name}.device must be 'none', 'cpu' or 'nvme', got {off.device!r}")
-            if off.device != "none":
-                raise ValueError(
-                    f"ZeroConfig.{name}.device={off.device!r}: offload is not available in this version of "
-                    "zeroray yet; use device='none'"
-                )
-        if self.units is not None and (
-            isinstance(self.units, str) or not all(isinstance(u, str) for u in self.units)
-        ):
-            raise ValueError(f"ZeroConfig.units must be a list of module or class names, got {self.units!r}")
+            if v is not None and not isinstance(v, dict):
+                raise ConfigError(name, f"must be a dict {{'type': ..., 'params': {{...}}}}, got {v!r}")
 
     # ------------------------------------------------------------------ batch sizes
     def resolve_batch(self, world_size: int) -> ZeroConfig:

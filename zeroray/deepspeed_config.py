@@ -90,6 +90,7 @@ value is DeepSpeed's "off" default::
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
 import os
@@ -98,7 +99,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from zeroray.config import OffloadConfig, ZeroConfig
+from zeroray.config import CommConfig, LossScaleConfig, OffloadConfig, ZeroConfig
 
 __all__ = ["parse_deepspeed"]
 
@@ -601,4 +602,9 @@ def parse_deepspeed(config: dict[str, Any] | str | os.PathLike[str]) -> ZeroConf
     _named(raw, out)
     _activation_checkpointing(raw)
     _data_types(raw)
-    return ZeroConfig(**out)
+    nested: dict[str, Any] = {}
+    for sub, keys in (("comm", CommConfig), ("loss_scaling", LossScaleConfig)):
+        part = {f.name: out.pop(f.name) for f in dataclasses.fields(keys) if f.name in out}
+        if part:
+            nested[sub] = part
+    return ZeroConfig(**out, **nested)

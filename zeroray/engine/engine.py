@@ -89,9 +89,9 @@ class ZeroEngine:
 
         self.module = model
         self.stage = config.stage
-        self.compute_dtype = _DTYPES[config.precision]
+        self.compute_dtype = _DTYPES[config.precision.param_dtype]
         self.gradient_accumulation_steps = config.gradient_accumulation_steps
-        self.comm = Comm(process_group, config.reduce_scatter, config.all_gather_by_broadcast)
+        self.comm = Comm(process_group, config.comm.reduce_scatter, config.comm.all_gather_by_broadcast)
         self.process_group = process_group  # None at world size 1 without torch.distributed
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         self.global_step = 0  # optimizer steps taken (skipped fp16 steps included)
@@ -106,7 +106,7 @@ class ZeroEngine:
             plans = unit_plan.plan_units(model, self.units, group_of)
         else:
             self.units = []
-            plans = unit_plan.plan_buckets(model, group_of, config.reduce_bucket_size)
+            plans = unit_plan.plan_buckets(model, group_of, config.comm.reduce_bucket_size)
         self.groups: list[FlatGroup] = []
         group_unit: dict[FlatGroup, int | None] = {}
         for plan in plans:
@@ -143,15 +143,15 @@ class ZeroEngine:
 
         # ---- hooks
         self.fetcher = (
-            UnitFetcher(model, self.units, self.groups, group_unit, config.prefetch_bucket_size)
+            UnitFetcher(model, self.units, self.groups, group_unit, config.comm.prefetch_bucket_size)
             if self.stage == 3
             else None
         )
         self.reducer = GradReducer(
             self.groups,
             stage=self.stage,
-            overlap=config.overlap_comm,
-            max_inflight=config.reduce_bucket_size,
+            overlap=config.comm.overlap_comm,
+            max_inflight=config.comm.reduce_bucket_size,
             on_reduced=self.fetcher.on_reduced if self.fetcher else None,
         )
         self.comm.reset()  # the report counts training traffic, not set-up
@@ -188,7 +188,7 @@ class ZeroEngine:
             for t in grads.values():
                 t.mul_(inv)
         overflow = False
-        if self.config.precision == "fp16":
+        if self.config.precision.loss_scaling:
             local = any(not torch.isfinite(t).all() for t in grads.values())
             overflow = self.comm.any_true(local, self.device)
             self.loss_scaler.update(overflow)
@@ -281,7 +281,7 @@ class ZeroEngine:
             ],
             "stage": self.stage,
             "world_size": self.world_size,
-            "precision": self.config.precision,
+            "precision": self.config.precision.name,
         }
 
     def load_shard_state(self, tensors: dict[str, dict[str, torch.Tensor]], meta: dict[str, Any]) -> None:
@@ -325,7 +325,7 @@ class ZeroEngine:
     def _publish(self, groups: list[FlatGroup]) -> None:
         """Rebuild the compute parameters from the (new) master shards; stages 1-2 all-gather
         them, allgather_bucket_size elements at a time."""
-        gathers = InFlight(self.config.allgather_bucket_size)
+        gathers = InFlight(self.config.comm.allgather_bucket_size)
         for g in groups:
             gathers.add(g.publish_master(), g.padded)
         gathers.wait_all()

@@ -11,15 +11,16 @@ from zeroray.config import ZeroConfig
 
 class LossScaler:
     def __init__(self, config: ZeroConfig):
-        self.dynamic = config.precision == "fp16" and config.loss_scale == 0
-        if config.precision != "fp16":
+        ls = config.loss_scaling
+        self.dynamic = config.precision.loss_scaling and ls.loss_scale == 0
+        if not config.precision.loss_scaling:
             self.scale = 1.0
         else:
-            self.scale = config.loss_scale if config.loss_scale > 0 else float(2**config.initial_scale_power)
-        self.window = config.loss_scale_window
-        self.min_scale = config.min_loss_scale
-        self.hysteresis = config.hysteresis
-        self.cur_hysteresis = config.hysteresis
+            self.scale = ls.loss_scale if ls.loss_scale > 0 else float(2**ls.initial_scale_power)
+        self.window = ls.loss_scale_window
+        self.min_scale = ls.min_loss_scale
+        self.hysteresis = ls.hysteresis
+        self.cur_hysteresis = ls.hysteresis
         self.good_steps = 0
 
     def update(self, overflow: bool) -> None:
