@@ -48,9 +48,11 @@ def load_config(config: ConfigArg, *, model: Any = None, optimizer: Any = None, 
     try:
         result = ZeroConfig(**reading.kwargs(resolved))
     except ConfigError as e:
+        listed = {key for key, _ in problems}  # e.g. an unresolved "auto" need not also be "required"
         for field, message in e.problems:
             key = reading.key_for(field)
-            problems.append((key, f"DeepSpeed config key '{key}': {message}"))
+            if key not in listed:
+                problems.append((key, f"DeepSpeed config key '{key}': {message}"))
     if problems or result is None:
         raise DeepSpeedConfigError(problems)
     log_resolutions(log)
