@@ -332,7 +332,7 @@ class Reading:
         if value is None:
             return
         if isinstance(value, str) and value == AUTO:
-            self.autos[key] = entry.path if isinstance(entry.path, str) else entry.paths[0]
+            self.autos[key] = entry.paths[0]
             return
         if entry.whole and isinstance(value, dict):
             for sub, v in value.items():
