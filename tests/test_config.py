@@ -1,4 +1,5 @@
-"""DeepSpeed JSON -> ZeroConfig, batch-size arithmetic, and the named optimizer / LR schedules."""
+"""DeepSpeed JSON -> ZeroConfig (through load_config), batch-size arithmetic, and the named optimizer / LR
+schedules. HF "auto" resolution: test_config_hf_auto.py; the validator itself: test_config_validate.py."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import pytest
 import torch
 
 from zeroray.config import OffloadConfig, ZeroConfig
-from zeroray.deepspeed_config import parse_deepspeed
+from zeroray.config_loader import load_config as parse_deepspeed
+from zeroray.deepspeed_config import DeepSpeedConfigError
 from zeroray.engine.named_optim import WarmupDecayLR, WarmupLR, build_optimizer, build_scheduler
 
 # The ZeRO-3 example of DeepSpeed's configuration docs, with offload set to "none" (zeroray has no
@@ -68,19 +70,20 @@ def test_zero3_example_parses_to_the_right_fields():
     with pytest.warns(UserWarning) as record:
         cfg = parse_deepspeed(ZERO3_EXAMPLE)
     assert cfg.stage == 3
-    assert cfg.precision == "bf16"
+    assert cfg.precision.param_dtype == "bf16" and cfg.precision.name == "bf16"
     assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (
         64,
         4,
         2,
     )
     assert cfg.gradient_clipping == 1.0
-    assert cfg.reduce_bucket_size == 500_000_000 and type(cfg.reduce_bucket_size) is int
-    assert cfg.allgather_bucket_size == 200_000_000 and type(cfg.allgather_bucket_size) is int
-    assert cfg.prefetch_bucket_size == 450_000_000 and type(cfg.prefetch_bucket_size) is int
-    assert cfg.overlap_comm is True and cfg.reduce_scatter is True
-    assert cfg.all_gather_by_broadcast is False
-    assert cfg.units == ["TransformerBlock"]
+    comm = cfg.comm
+    assert comm.reduce_bucket_size == 500_000_000 and type(comm.reduce_bucket_size) is int
+    assert comm.allgather_bucket_size == 200_000_000 and type(comm.allgather_bucket_size) is int
+    assert comm.prefetch_bucket_size == 450_000_000 and type(comm.prefetch_bucket_size) is int
+    assert comm.overlap_comm is True and comm.reduce_scatter is True
+    assert comm.all_gather_by_broadcast is False
+    assert cfg.units == ("TransformerBlock",)
     assert cfg.offload_optimizer == OffloadConfig(device="none", pin_memory=True)
     assert cfg.offload_param == OffloadConfig(device="none", pin_memory=True)
     assert cfg.optimizer == {"type": "AdamW", "params": ZERO3_EXAMPLE["optimizer"]["params"]}
@@ -112,14 +115,17 @@ def test_empty_config_gives_the_defaults():
     assert parse_deepspeed({}) == ZeroConfig()
 
 
-def test_from_deepspeed_and_coerce_go_through_the_parser(tmp_path):
-    assert ZeroConfig.from_deepspeed({"zero_optimization": {"stage": 2}}).stage == 2
+def test_load_config_takes_every_kind_of_config(tmp_path):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"zero_optimization": {"stage": 1}}))
-    assert ZeroConfig.coerce(path).stage == 1
-    assert ZeroConfig.coerce(str(path)).stage == 1
-    assert ZeroConfig.coerce({"zero_optimization": {"stage": 3}}).stage == 3
-    assert ZeroConfig.coerce(None) == ZeroConfig()
+    assert parse_deepspeed(path).stage == 1
+    assert parse_deepspeed(str(path)).stage == 1
+    assert parse_deepspeed({"zero_optimization": {"stage": 3}}).stage == 3
+    assert parse_deepspeed(None) == ZeroConfig()
+    cfg = ZeroConfig(stage=2)
+    assert parse_deepspeed(cfg) is cfg
+    # ZeroConfig itself no longer knows DeepSpeed (that was an import cycle).
+    assert not hasattr(ZeroConfig, "from_deepspeed") and not hasattr(ZeroConfig, "coerce")
 
 
 # ------------------------------------------------------------------------------ precision
@@ -135,16 +141,20 @@ def test_from_deepspeed_and_coerce_go_through_the_parser(tmp_path):
     ],
 )
 def test_precision(raw, precision):
-    assert parse_deepspeed(raw).precision == precision
+    assert parse_deepspeed(raw).precision.param_dtype == precision
 
 
 def test_fp16_and_bf16_both_enabled_is_an_error():
-    with pytest.raises(ValueError, match="fp16 and bf16 are both enabled; enable at most one"):
+    with pytest.raises(
+        ValueError,
+        match=r"DeepSpeed config keys 'fp16\.enabled' and 'bf16\.enabled' both set ZeroConfig\.precision\.param_dtype; "
+        "give only one",
+    ):
         parse_deepspeed({"fp16": {"enabled": True}, "bf16": {"enabled": True}})
 
 
 def test_bf16_and_its_alias_together_is_an_error():
-    with pytest.raises(ValueError, match="'bf16' and 'bfloat16'"):
+    with pytest.raises(ValueError, match=r"'bf16\.enabled' and 'bfloat16\.enabled'"):
         parse_deepspeed({"bf16": {"enabled": True}, "bfloat16": {"enabled": True}})
 
 
@@ -161,12 +171,13 @@ def test_fp16_loss_scaling_fields():
             }
         }
     )
+    ls = cfg.loss_scaling
     assert (
-        cfg.loss_scale,
-        cfg.initial_scale_power,
-        cfg.loss_scale_window,
-        cfg.hysteresis,
-        cfg.min_loss_scale,
+        ls.loss_scale,
+        ls.initial_scale_power,
+        ls.loss_scale_window,
+        ls.hysteresis,
+        ls.min_loss_scale,
     ) == (
         0.0,
         12,
@@ -174,7 +185,7 @@ def test_fp16_loss_scaling_fields():
         3,
         0.5,
     )
-    assert parse_deepspeed({"fp16": {"enabled": True, "loss_scale": 128}}).loss_scale == 128.0
+    assert parse_deepspeed({"fp16": {"enabled": True, "loss_scale": 128}}).loss_scaling.loss_scale == 128.0
 
 
 @pytest.mark.parametrize(
@@ -188,13 +199,14 @@ def test_fp16_loss_scaling_fields():
     ],
 )
 def test_bad_fp16_values_name_the_key(fp16, key):
-    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+    with pytest.raises(DeepSpeedConfigError, match=rf"DeepSpeed config key '{key}': must be") as info:
         parse_deepspeed({"fp16": {"enabled": True, **fp16}})
+    assert info.value.keys == [key]
 
 
-@pytest.mark.parametrize("block", ["fp16", "bf16"])
+@pytest.mark.parametrize("block", ["fp16", "bf16", "bfloat16"])
 def test_auto_enabled_is_an_error(block):
-    with pytest.raises(ValueError, match=rf"'{block}\.enabled' is 'auto'"):
+    with pytest.raises(ValueError, match=rf"'{block}\.enabled' is 'auto', which zeroray cannot resolve: .*true or false"):
         parse_deepspeed({block: {"enabled": "auto"}})
 
 
@@ -229,8 +241,10 @@ def test_auto_enabled_is_an_error(block):
         ({"amp": {"enabled": False}}, "amp"),
         (
             {"activation_checkpointing": {"partition_activations": False, "number_checkpoints": 4}},
-            "activation_checkpointing",
+            "activation_checkpointing.number_checkpoints",
         ),
+        ({"zero_optimization": {"stage3_param_persistence_threshold": "auto"}},
+         "zero_optimization.stage3_param_persistence_threshold"),
     ],
 )
 def test_ignored_keys_warn_with_their_dotted_name(raw, key):
@@ -267,8 +281,7 @@ def test_keys_set_to_their_off_default_are_accepted_silently():
         ({"pipeline": {"stages": 2}}, "pipeline"),
         ({"prescale_gradients": True}, "prescale_gradients"),
         ({"gradient_predivide_factor": 2.0}, "gradient_predivide_factor"),
-        ({"communication_data_type": "fp32"}, "communication_data_type"),
-        ({"data_types": {"grad_accum_dtype": "fp32"}}, "data_types.grad_accum_dtype"),
+        ({"sequence_parallel_size": 2}, "sequence_parallel_size"),
         ({"zero_optimization": {"zero_quantized_weights": True}}, "zero_optimization.zero_quantized_weights"),
         ({"zero_optimization": {"zero_hpz_partition_size": 8}}, "zero_optimization.zero_hpz_partition_size"),
         (
@@ -339,65 +352,73 @@ def test_unknown_keys_are_errors_naming_the_dotted_key(raw, key, suggestion):
         ({"gradient_accumulation_steps": True}, "gradient_accumulation_steps"),
         ({"gradient_clipping": -1.0}, "gradient_clipping"),
         ({"gradient_clipping": "1.0"}, "gradient_clipping"),
+        ({"gradient_clipping": float("nan")}, "gradient_clipping"),
+        ({"gradient_clipping": float("inf")}, "gradient_clipping"),
+        ({"fp16": {"enabled": "yes"}}, "fp16.enabled"),
+        ({"zero_optimization": {"cpu_offload": "yes"}}, "zero_optimization.cpu_offload"),
+        ({"zero_optimization": {"offload_param": {"pin_memory": "yes"}}}, "zero_optimization.offload_param.pin_memory"),
+        ({"data_types": {"grad_accum_dtype": "int8"}}, "data_types.grad_accum_dtype"),
     ],
 )
 def test_bad_values_name_the_key(raw, key):
-    with pytest.raises(ValueError, match=rf"'{key}'"):
+    with pytest.raises(DeepSpeedConfigError, match=rf"DeepSpeed config key '{key}'") as info:
         parse_deepspeed(raw)
+    assert info.value.keys == [key]
+    assert "ZeroConfig." not in str(info.value)  # the JSON key, not the dataclass field
 
 
 def test_offload_device_other_than_none_is_refused_at_parse_time():
-    with pytest.raises(ValueError, match=r"offload_optimizer\.device='cpu'.*not available"):
+    with pytest.raises(
+        ValueError, match=r"^DeepSpeed config key 'zero_optimization\.offload_optimizer\.device': 'cpu': .*not available"
+    ):
         parse_deepspeed({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})
-    with pytest.raises(ValueError, match=r"offload_param\.device='nvme'.*not available"):
+    with pytest.raises(ValueError, match=r"'zero_optimization\.offload_param\.device': 'nvme': .*not available"):
         parse_deepspeed(
             {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/nvme"}}}
         )
-    # DeepSpeed's deprecated spelling means the same.
-    with pytest.raises(ValueError, match=r"offload_optimizer\.device='cpu'"):
+    # DeepSpeed's deprecated spelling means the same, and the error names the key the user wrote.
+    with pytest.raises(ValueError, match=r"'zero_optimization\.cpu_offload': 'cpu': .*not available"):
         parse_deepspeed({"zero_optimization": {"stage": 2, "cpu_offload": True}})
     assert parse_deepspeed({"zero_optimization": {"cpu_offload": False}}).offload_optimizer == OffloadConfig()
+
+
+def test_deprecated_offload_spellings_map_onto_the_offload_fields():
+    cfg = parse_deepspeed(
+        {"zero_optimization": {"cpu_offload": False, "cpu_offload_param": False, "cpu_offload_use_pin_memory": True}}
+    )
+    assert cfg.offload_optimizer == cfg.offload_param == OffloadConfig(device="none", pin_memory=True)
+    with pytest.raises(
+        ValueError,
+        match=r"keys 'zero_optimization\.offload_optimizer\.device' and 'zero_optimization\.cpu_offload' both set",
+    ):
+        parse_deepspeed({"zero_optimization": {"offload_optimizer": {"device": "none"}, "cpu_offload": True}})
 
 
 # ------------------------------------------------------------------------------ optimizer / scheduler specs
 def test_optimizer_and_scheduler_types_are_checked_at_parse_time():
     with pytest.raises(
-        ValueError, match=r"optimizer\.type 'Lamb' is not supported.*Adam, AdamW, SGD, Adagrad, RMSprop"
+        ValueError, match=r"key 'optimizer\.type': 'Lamb' is not supported.*Adam, AdamW, SGD, Adagrad, RMSprop"
     ):
         parse_deepspeed({"optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}})
     with pytest.raises(
-        ValueError, match=r"scheduler\.type 'OneCycle' is not supported.*WarmupLR, WarmupDecayLR"
+        ValueError, match=r"key 'scheduler\.type': 'OneCycle' is not supported.*WarmupLR, WarmupDecayLR"
     ):
         parse_deepspeed({"scheduler": {"type": "OneCycle", "params": {}}})
-    with pytest.raises(ValueError, match=r"optimizer\.params\.momentun"):
+    with pytest.raises(ValueError, match=r"key 'optimizer\.params\.momentun': is not a parameter of torch\.optim\.SGD"):
         parse_deepspeed({"optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentun": 0.9}}})
-    with pytest.raises(ValueError, match=r"scheduler\.params\.total_num_steps is required"):
+    with pytest.raises(ValueError, match=r"key 'scheduler\.params\.total_num_steps': is required for WarmupDecayLR"):
         parse_deepspeed({"scheduler": {"type": "WarmupDecayLR", "params": {}}})
-    with pytest.raises(ValueError, match=r"optimizer\.params\.lr is 'auto'"):
+    with pytest.raises(ValueError, match=r"key 'optimizer\.params\.lr' is 'auto', which zeroray cannot resolve"):
         parse_deepspeed({"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}})
 
 
 # ------------------------------------------------------------------------------ "auto" and file input
-def test_auto_means_not_given():
+def test_auto_batch_sizes_mean_not_given():
     cfg = parse_deepspeed(
-        {
-            "train_batch_size": "auto",
-            "train_micro_batch_size_per_gpu": "auto",
-            "gradient_accumulation_steps": "auto",
-            "gradient_clipping": "auto",
-            "zero_optimization": {
-                "stage": 3,
-                "reduce_bucket_size": "auto",
-                "stage3_prefetch_bucket_size": "auto",
-            },
-        }
+        {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto"}
     )
-    default = ZeroConfig()
     assert cfg.train_batch_size is None and cfg.train_micro_batch_size_per_gpu is None
     assert cfg.gradient_accumulation_steps is None
-    assert cfg.gradient_clipping == default.gradient_clipping
-    assert cfg.reduce_bucket_size == default.reduce_bucket_size
-    assert cfg.prefetch_bucket_size == default.prefetch_bucket_size
     # With "auto" the micro batch given elsewhere decides.
     resolved = parse_deepspeed(
         {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 4}
@@ -560,16 +581,16 @@ def test_build_optimizer_accepts_param_groups():
 
 def test_build_optimizer_errors():
     with pytest.raises(
-        ValueError, match=r"optimizer\.params\.betaz is not a parameter of torch\.optim\.AdamW"
+        ValueError, match=r"optimizer\.params\.betaz: is not a parameter of torch\.optim\.AdamW"
     ):
         build_optimizer({"type": "Adam", "params": {"betaz": [0.9, 0.9]}}, _params())
     with pytest.raises(
-        ValueError, match=r"optimizer\.params\.adam_w_mode is not a parameter of torch\.optim\.SGD"
+        ValueError, match=r"optimizer\.params\.adam_w_mode: is not a parameter of torch\.optim\.SGD"
     ):
         build_optimizer({"type": "SGD", "params": {"adam_w_mode": True}}, _params())
     with pytest.raises(ValueError, match=r"'Lion' is not supported.*Adam, AdamW, SGD, Adagrad, RMSprop"):
         build_optimizer({"type": "Lion"}, _params())
-    with pytest.raises(ValueError, match="bias_correction=false"):
+    with pytest.raises(ValueError, match="bias_correction: false is not supported"):
         build_optimizer({"type": "Adam", "params": {"bias_correction": False}}, _params())
 
 
@@ -708,10 +729,10 @@ def test_build_scheduler_none_and_errors():
     opt = _opt()
     assert build_scheduler(None, opt) is None
     with pytest.raises(
-        ValueError, match=r"scheduler\.type 'CosineLR' is not supported; supported types: WarmupLR"
+        ValueError, match=r"scheduler\.type: 'CosineLR' is not supported; supported types: WarmupLR"
     ):
         build_scheduler({"type": "CosineLR", "params": {}}, opt)
-    with pytest.raises(ValueError, match=r"scheduler\.params\.warmup_steps is not a parameter of WarmupLR"):
+    with pytest.raises(ValueError, match=r"scheduler\.params\.warmup_steps: is not a parameter of WarmupLR"):
         build_scheduler({"type": "WarmupLR", "params": {"warmup_steps": 10}}, opt)
     with pytest.raises(ValueError, match=r"warmup_type must be 'log' or 'linear', got 'cosine'"):
         build_scheduler({"type": "WarmupLR", "params": {"warmup_type": "cosine"}}, opt)

@@ -1,16 +1,21 @@
 """ZeroConfig: the settings of a ZeRO run, as dataclasses, with clear errors for bad input.
 
 The field names follow DeepSpeed's JSON keys where DeepSpeed has one, so that a DeepSpeed user
-finds what they know; :meth:`ZeroConfig.from_deepspeed` reads such a JSON file or dict.
+finds what they know. :meth:`ZeroConfig.validate` is the only validator: readers of other formats
+(``zeroray.deepspeed_config``, loaded through ``zeroray.config_loader.load_config``) only convert
+and map, and turn a :class:`ConfigError`'s field paths back into the keys their user wrote. This
+module imports neither of them, nor the engine.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+from zeroray.optim_spec import optimizer_spec_problems, scheduler_spec_problems
 
 Precision = Literal["fp32", "bf16", "fp16"]
 OffloadDevice = Literal["none", "cpu", "nvme"]
@@ -19,18 +24,40 @@ _PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 class ConfigError(ValueError):
-    """A bad setting. ``field`` is its dotted path in :class:`ZeroConfig` (``comm.reduce_bucket_size``),
-    so a reader of another format (DeepSpeed JSON) can name the key the user wrote instead."""
+    """Bad settings. ``field`` is the dotted path in :class:`ZeroConfig` of the first
+    (``comm.reduce_bucket_size``), so a reader of another format (DeepSpeed JSON) can name the key the
+    user wrote instead; ``problems`` holds every ``(field, message)`` found, so one error lists them all."""
 
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"ZeroConfig.{field}: {message}")
-        self.field = field
-        self.message = message
+    def __init__(self, field: str, message: str, problems: tuple[tuple[str, str], ...] = ()) -> None:
+        self.problems = problems or ((field, message),)
+        self.field, self.message = self.problems[0]
+        lines = [f"ZeroConfig.{f}: {m}" for f, m in self.problems]
+        super().__init__(lines[0] if len(lines) == 1 else f"{len(lines)} bad settings:\n  " + "\n  ".join(lines))
+
+    @classmethod
+    def of(cls, problems: list[tuple[str, str]]) -> ConfigError:
+        return cls(*problems[0], problems=tuple(problems))
 
 
-def _positive_int(field: str, v: Any, what: str = "a positive integer") -> None:
-    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-        raise ConfigError(field, f"must be {what}, got {v!r}")
+Problems = Iterator[tuple[str, str]]
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _positive_int(field: str, v: Any, what: str = "a positive integer") -> Problems:
+    if not _is_int(v) or v < 1:
+        yield field, f"must be {what}, got {v!r}"
+
+
+def _flag(field: str, v: Any, auto: bool = False) -> Problems:
+    if not isinstance(v, bool) and not (auto and v is None):
+        yield field, f"must be true or false{' or None (chosen by backend)' if auto else ''}, got {v!r}"
 
 
 @dataclass(frozen=True)
@@ -58,11 +85,16 @@ class PrecisionPolicy:
             raise ConfigError("precision.master_dtype", f"only 'fp32' master weights are supported, got {self.master_dtype!r}")
 
     @classmethod
-    def coerce(cls, value: PrecisionPolicy | str) -> PrecisionPolicy:
+    def coerce(cls, value: PrecisionPolicy | str | dict[str, Any]) -> PrecisionPolicy:
         if isinstance(value, cls):
             return value
         if isinstance(value, str) and value in _PRECISIONS:
             return cls(param_dtype=value)  # type: ignore[arg-type]
+        if isinstance(value, dict):
+            try:
+                return cls(**value)
+            except TypeError as e:
+                raise ConfigError("precision", str(e)) from None
         raise ConfigError("precision", f"must be 'fp32', 'bf16', 'fp16' or a PrecisionPolicy, got {value!r}")
 
     @property
@@ -103,9 +135,12 @@ class CommConfig:
     # None = chosen by backend: one broadcast per rank's shard on gloo, all_gather on NCCL.
     all_gather_by_broadcast: bool | None = None
 
-    def validate(self) -> None:
+    def problems(self) -> Problems:
         for name in ("reduce_bucket_size", "allgather_bucket_size", "prefetch_bucket_size"):
-            _positive_int(f"comm.{name}", getattr(self, name), "a positive number of elements")
+            yield from _positive_int(f"comm.{name}", getattr(self, name), "a positive number of elements")
+        yield from _flag("comm.overlap_comm", self.overlap_comm)
+        yield from _flag("comm.reduce_scatter", self.reduce_scatter, auto=True)
+        yield from _flag("comm.all_gather_by_broadcast", self.all_gather_by_broadcast, auto=True)
 
 
 @dataclass(frozen=True)
@@ -118,13 +153,16 @@ class LossScaleConfig:
     hysteresis: int = 2
     min_loss_scale: float = 1.0
 
-    def validate(self) -> None:
-        if not self.loss_scale >= 0:
-            raise ConfigError("loss_scaling.loss_scale", f"must be >= 0 (0 = dynamic), got {self.loss_scale!r}")
-        if not self.min_loss_scale > 0:
-            raise ConfigError("loss_scaling.min_loss_scale", f"must be > 0, got {self.min_loss_scale!r}")
-        _positive_int("loss_scaling.loss_scale_window", self.loss_scale_window)
-        _positive_int("loss_scaling.hysteresis", self.hysteresis)
+    def problems(self) -> Problems:
+        ls, mls = self.loss_scale, self.min_loss_scale
+        if not _is_number(ls) or not math.isfinite(ls) or ls < 0:
+            yield "loss_scaling.loss_scale", f"must be a finite number >= 0 (0 = dynamic), got {ls!r}"
+        if not _is_number(mls) or not math.isfinite(mls) or mls <= 0:
+            yield "loss_scaling.min_loss_scale", f"must be a finite number > 0, got {mls!r}"
+        if not _is_int(self.initial_scale_power) or not 0 <= self.initial_scale_power < 128:
+            yield "loss_scaling.initial_scale_power", f"must be an integer in [0, 128), got {self.initial_scale_power!r}"
+        yield from _positive_int("loss_scaling.loss_scale_window", self.loss_scale_window)
+        yield from _positive_int("loss_scaling.hysteresis", self.hysteresis)
 
 
 @dataclass(frozen=True)
@@ -135,14 +173,17 @@ class OffloadConfig:
     nvme_path: str | None = None
     pin_memory: bool = False
 
-    def validate(self, field: str) -> None:
+    def problems(self, field: str) -> Problems:
         if self.device not in ("none", "cpu", "nvme"):
-            raise ConfigError(f"{field}.device", f"must be 'none', 'cpu' or 'nvme', got {self.device!r}")
-        if self.device != "none":
-            raise ConfigError(
+            yield f"{field}.device", f"must be 'none', 'cpu' or 'nvme', got {self.device!r}"
+        elif self.device != "none":
+            yield (
                 f"{field}.device",
                 f"{self.device!r}: offload is not available in this version of zeroray yet; use device='none'",
             )
+        if self.nvme_path is not None and not isinstance(self.nvme_path, str):
+            yield f"{field}.nvme_path", f"must be a path (a string), got {self.nvme_path!r}"
+        yield from _flag(f"{field}.pin_memory", self.pin_memory)
 
 
 _SUB = {"comm": CommConfig, "loss_scaling": LossScaleConfig, "offload_optimizer": OffloadConfig, "offload_param": OffloadConfig}
@@ -173,17 +214,23 @@ class ZeroConfig:
     offload_param: OffloadConfig = field(default_factory=OffloadConfig)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "precision", PrecisionPolicy.coerce(self.precision))
+        problems: list[tuple[str, str]] = []
+        try:
+            object.__setattr__(self, "precision", PrecisionPolicy.coerce(self.precision))
+        except ConfigError as e:
+            problems += e.problems
         for name, cls in _SUB.items():
             v = getattr(self, name)
             if isinstance(v, dict):
                 try:
                     v = cls(**v)
                 except TypeError as e:
-                    raise ConfigError(name, str(e)) from None
+                    problems.append((name, str(e)))
                 object.__setattr__(self, name, v)
         if isinstance(self.units, list):
             object.__setattr__(self, "units", tuple(self.units))
+        if problems:
+            raise ConfigError.of(problems)
         self.validate()
 
     @property
@@ -192,26 +239,41 @@ class ZeroConfig:
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
-        """Raise :class:`ConfigError` naming the first bad field; called on construction."""
+        """Raise one :class:`ConfigError` listing every bad field; called on construction."""
+        problems = list(self.problems())
+        if problems:
+            raise ConfigError.of(problems)
+
+    def problems(self) -> Problems:
+        """Each bad field as ``(dotted field, message)``."""
         if isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
-            raise ConfigError("stage", f"must be 0, 1, 2 or 3, got {self.stage!r}")
+            yield "stage", f"must be 0, 1, 2 or 3, got {self.stage!r}"
         for name in ("gradient_accumulation_steps", "train_micro_batch_size_per_gpu", "train_batch_size"):
             v = getattr(self, name)
             if v is not None:
-                _positive_int(name, v)
+                yield from _positive_int(name, v)
         clip = self.gradient_clipping
-        if isinstance(clip, bool) or not isinstance(clip, (int, float)) or not math.isfinite(clip) or clip < 0:
-            raise ConfigError("gradient_clipping", f"must be a finite number >= 0 (0 = off), got {clip!r}")
-        self.comm.validate()
-        self.loss_scaling.validate()
-        self.offload_optimizer.validate("offload_optimizer")
-        self.offload_param.validate("offload_param")
-        if self.units is not None and (isinstance(self.units, str) or not all(isinstance(u, str) for u in self.units)):
-            raise ConfigError("units", f"must be a list of module or class names, got {self.units!r}")
-        for name in ("optimizer", "scheduler"):
-            v = getattr(self, name)
-            if v is not None and not isinstance(v, dict):
-                raise ConfigError(name, f"must be a dict {{'type': ..., 'params': {{...}}}}, got {v!r}")
+        if not _is_number(clip) or not math.isfinite(clip) or clip < 0:
+            yield "gradient_clipping", f"must be a finite number >= 0 (0 = off), got {clip!r}"
+        for name, sub in (("comm", self.comm), ("loss_scaling", self.loss_scaling)):
+            if isinstance(sub, _SUB[name]):
+                yield from sub.problems()
+            else:
+                yield name, f"must be a {_SUB[name].__name__} or a dict, got {sub!r}"
+        for name in ("offload_optimizer", "offload_param"):
+            sub = getattr(self, name)
+            if isinstance(sub, OffloadConfig):
+                yield from sub.problems(name)
+            else:
+                yield name, f"must be an OffloadConfig or a dict, got {sub!r}"
+        if self.units is not None and (
+            not isinstance(self.units, tuple) or not all(isinstance(u, str) for u in self.units)
+        ):
+            yield "units", f"must be a list of module or class names, got {self.units!r}"
+        if self.optimizer is not None:
+            yield from optimizer_spec_problems(self.optimizer)
+        if self.scheduler is not None:
+            yield from scheduler_spec_problems(self.scheduler)
 
     # ------------------------------------------------------------------ batch sizes
     def resolve_batch(self, world_size: int) -> ZeroConfig:
@@ -257,25 +319,4 @@ class ZeroConfig:
             gas = gas or 1
         return dataclasses.replace(
             self, train_batch_size=tb, train_micro_batch_size_per_gpu=mb, gradient_accumulation_steps=gas
-        )
-
-    # ------------------------------------------------------------------ DeepSpeed JSON
-    @classmethod
-    def from_deepspeed(cls, config: dict[str, Any] | str | os.PathLike[str]) -> ZeroConfig:
-        """Read a DeepSpeed JSON config (a dict or a path); unsupported keys raise or warn by name."""
-        from zeroray.deepspeed_config import parse_deepspeed
-
-        return parse_deepspeed(config)
-
-    @classmethod
-    def coerce(cls, config: ZeroConfig | dict[str, Any] | str | None) -> ZeroConfig:
-        """Accept a ZeroConfig, a DeepSpeed-style dict, or a path to a DeepSpeed JSON file."""
-        if config is None:
-            return cls()
-        if isinstance(config, cls):
-            return config
-        if isinstance(config, (dict, str)) or hasattr(config, "__fspath__"):
-            return cls.from_deepspeed(config if isinstance(config, dict) else str(config))
-        raise TypeError(
-            f"config must be a ZeroConfig, a DeepSpeed-style dict or a path to a JSON file, got {type(config)}"
         )

@@ -19,13 +19,23 @@ DeepSpeed semantics kept on purpose:
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch.optim.lr_scheduler import LRScheduler
+
+from zeroray.config import ConfigError
+from zeroray.optim_spec import (
+    ADAM_EXTRAS,
+    SCHEDULER_PARAMS,
+    SUPPORTED_OPTIMIZERS,
+    SUPPORTED_SCHEDULERS,
+    optimizer_class_name,
+    optimizer_spec_problems,
+    scheduler_spec_problems,
+)
 
 __all__ = [
     "SUPPORTED_OPTIMIZERS",
@@ -34,92 +44,28 @@ __all__ = [
     "WarmupLR",
     "build_optimizer",
     "build_scheduler",
-    "validate_optimizer_spec",
-    "validate_scheduler_spec",
 ]
 
-# Lower-case name -> torch class. "adam" resolves to AdamW unless adam_w_mode is false.
-_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
-    "adam": torch.optim.AdamW,
-    "adamw": torch.optim.AdamW,
-    "sgd": torch.optim.SGD,
-    "adagrad": torch.optim.Adagrad,
-    "rmsprop": torch.optim.RMSprop,
-}
-SUPPORTED_OPTIMIZERS: tuple[str, ...] = ("Adam", "AdamW", "SGD", "Adagrad", "RMSprop")
-SUPPORTED_SCHEDULERS: tuple[str, ...] = ("WarmupLR", "WarmupDecayLR")
-_SPEC_KEYS = ("type", "params")
 
-
-def _split_spec(spec: Any, what: str) -> tuple[str, dict[str, Any]]:
-    """Check the ``{"type": str, "params": dict}`` shape; return (type, a copy of params)."""
-    if not isinstance(spec, dict):
-        raise ValueError(f"{what} must be a dict like {{'type': ..., 'params': {{...}}}}, got {spec!r}")
-    extra = sorted(set(spec) - set(_SPEC_KEYS))
-    if extra:
-        raise ValueError(f"{what} has unknown key(s) {extra}; expected only 'type' and 'params'")
-    kind = spec.get("type")
-    if not isinstance(kind, str):
-        raise ValueError(f"{what}.type must be a string, got {kind!r}")
-    params = spec.get("params") or {}
-    if not isinstance(params, dict):
-        raise ValueError(f"{what}.params must be a dict, got {params!r}")
-    for key, value in params.items():
-        if value == "auto":
-            raise ValueError(
-                f"{what}.params.{key} is 'auto': zeroray has no trainer arguments to fill it in; give a value"
-            )
-    return kind, dict(params)
-
-
-def _constructor_keys(cls: type) -> list[str]:
-    """Keyword arguments ``cls.__init__`` accepts, except ``self`` and ``params``."""
-    sig = inspect.signature(cls.__init__)
-    return [
-        name
-        for name, p in sig.parameters.items()
-        if name not in ("self", "params") and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
-    ]
+def _raise(problems: list[tuple[str, str]]) -> None:
+    if problems:
+        raise ConfigError.of(problems)
 
 
 def _resolve_optimizer(spec: dict[str, Any]) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
-    """Map a DeepSpeed optimizer block to (torch class, constructor kwargs), raising on anything unknown."""
-    kind, params = _split_spec(spec, "optimizer")
-    key = kind.lower()
-    if key not in _OPTIMIZERS:
-        raise ValueError(
-            f"optimizer.type {kind!r} is not supported; supported types (case-insensitive): "
-            f"{', '.join(SUPPORTED_OPTIMIZERS)}"
-        )
-    cls = _OPTIMIZERS[key]
-    if key in ("adam", "adamw"):
-        params.pop("torch_adam", None)  # chooses DeepSpeed's kernel only; numerics are the same
-        adam_w_mode = params.pop("adam_w_mode", True)
-        if not isinstance(adam_w_mode, bool):
-            raise ValueError(f"optimizer.params.adam_w_mode must be true or false, got {adam_w_mode!r}")
-        if key == "adam" and not adam_w_mode:
-            cls = torch.optim.Adam  # L2 regularisation added to the gradient, as torch's Adam
-        if params.pop("bias_correction", True) is not True:
-            raise ValueError(
-                "optimizer.params.bias_correction=false is not supported: torch's Adam/AdamW always "
-                "apply bias correction"
-            )
+    """Map an optimizer block to (torch class, constructor kwargs); the names are checked by optim_spec."""
+    _raise(optimizer_spec_problems(spec))
+    params = dict(spec.get("params") or {})
+    name = optimizer_class_name(spec["type"], params)
+    assert name is not None  # optimizer_spec_problems refused unknown types
+    cls: type[torch.optim.Optimizer] = getattr(torch.optim, name)
+    if name in ("Adam", "AdamW"):
+        for extra in ADAM_EXTRAS:  # kernel choice / DeepSpeed switches, checked above; numerics are torch's
+            params.pop(extra, None)
         params.setdefault("weight_decay", 0.0)  # DeepSpeed's Adam default; torch's AdamW has 0.01
-    allowed = _constructor_keys(cls)
-    for name in params:
-        if name not in allowed:
-            raise ValueError(
-                f"optimizer.params.{name} is not a parameter of torch.optim.{cls.__name__} "
-                f"(type {kind!r}); accepted: {', '.join(allowed)}"
-            )
     if isinstance(params.get("betas"), list):
         params["betas"] = tuple(params["betas"])
     return cls, params
-
-
-def validate_optimizer_spec(spec: dict[str, Any]) -> None:
-    """Raise ValueError if :func:`build_optimizer` would reject ``spec`` (no parameters needed)."""
-    _resolve_optimizer(spec)
 
 
 def build_optimizer(
@@ -236,34 +182,18 @@ class WarmupDecayLR(WarmupLR):
         return max(0.0, (self.total_num_steps - it) / max(1.0, self.total_num_steps - self.warmup_num_steps))
 
 
-_SCHEDULERS: dict[str, type[WarmupLR]] = {"warmuplr": WarmupLR, "warmupdecaylr": WarmupDecayLR}
+_SCHEDULERS: dict[str, type[WarmupLR]] = {"WarmupLR": WarmupLR, "WarmupDecayLR": WarmupDecayLR}
 
 
 def _resolve_scheduler(spec: dict[str, Any]) -> tuple[type[WarmupLR], dict[str, Any]]:
-    kind, params = _split_spec(spec, "scheduler")
-    cls = _SCHEDULERS.get(kind.lower())
-    if cls is None:
-        raise ValueError(
-            f"scheduler.type {kind!r} is not supported; supported types: {', '.join(SUPPORTED_SCHEDULERS)}"
-        )
-    allowed = [k for k in _constructor_keys(cls) if k != "optimizer"]
-    for name in params:
-        if name not in allowed:
-            raise ValueError(
-                f"scheduler.params.{name} is not a parameter of {kind}; accepted: {', '.join(allowed)}"
-            )
-    if cls is WarmupDecayLR and "total_num_steps" not in params:
-        raise ValueError("scheduler.params.total_num_steps is required for WarmupDecayLR")
+    _raise(scheduler_spec_problems(spec))
+    cls = _SCHEDULERS[SCHEDULER_PARAMS[spec["type"].lower()][0]]
+    params = dict(spec.get("params") or {})
     for name in ("warmup_num_steps", "total_num_steps"):
         v = params.get(name)
         if isinstance(v, float) and v.is_integer():  # JSON 1e3
             params[name] = int(v)
     return cls, params
-
-
-def validate_scheduler_spec(spec: dict[str, Any]) -> None:
-    """Raise ValueError if :func:`build_scheduler` would reject ``spec``'s type or parameter names."""
-    _resolve_scheduler(spec)
 
 
 def build_scheduler(spec: dict[str, Any] | None, optimizer: torch.optim.Optimizer) -> LRScheduler | None:
