@@ -1,13 +1,20 @@
-"""The driver's progress display: a tqdm bar on a terminal, a log line every few seconds otherwise."""
+"""The driver's progress display: a tqdm bar on a terminal, a log line every few seconds otherwise.
+
+The lines go to the ``zeroray.train.progress`` logger at INFO, so the application decides where they
+appear (``logging.basicConfig(level=logging.INFO)`` shows them on stderr); the library never prints.
+"""
 
 from __future__ import annotations
 
+import logging
 import shutil
 import sys
 import time
 from typing import Any
 
 from zeroray.train.reporting import finite_or_none
+
+logger = logging.getLogger(__name__)
 
 
 class Progress:
@@ -23,7 +30,7 @@ class Progress:
             from tqdm.auto import tqdm
 
             self.bar = tqdm(desc="zeroray", unit="step", dynamic_ncols=True)
-        self._last_log = 0.0
+        self._last_log = float("-inf")
         self._first: tuple[float, int] | None = None
         self._step = 0
 
@@ -45,9 +52,10 @@ class Progress:
             self.bar.update(max(step - self._step, 0))
         elif self.lines and time.monotonic() - self._last_log >= self.log_every_s:
             self._last_log = time.monotonic()
-            print("zeroray: " + "  ".join(f"{k}={v}" for k, v in parts.items()), file=sys.stderr, flush=True)
+            logger.info("zeroray: %s", "  ".join(f"{k}={v}" for k, v in parts.items()))
         self._step = step
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+            self.bar = None
