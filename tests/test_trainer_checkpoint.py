@@ -5,6 +5,8 @@ another world size and stage. Every test checks that nothing is left behind."""
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import signal
 
@@ -122,13 +124,18 @@ def test_a_killed_rank_restarts_the_group_from_the_last_committed_checkpoint(ray
     assert_nothing_left("killed", list({h["pid"] for h in history}))
 
 
-def test_a_new_fit_resumes_the_run_at_another_world_size_and_stage(ray_cluster, tmp_path):
+def test_a_new_fit_resumes_the_run_at_another_world_size_and_stage(ray_cluster, tmp_path, caplog):
     rc = run_config(tmp_path, "resized")
     first = ZeroTrainer(_loop, train_loop_config={"steps": 4, "every": 4}, zero_config=_stage(3),
                         scaling_config=ScalingConfig(num_workers=2), run_config=rc).fit()
     assert first.checkpoint.step == 4
-    second = ZeroTrainer(_loop, train_loop_config={"steps": 8, "every": 4}, zero_config=_stage(1),
-                         scaling_config=ScalingConfig(num_workers=3), run_config=rc).fit()
+    with caplog.at_level(logging.INFO, logger="zeroray.train"):
+        second = ZeroTrainer(_loop, train_loop_config={"steps": 8, "every": 4}, zero_config=_stage(1),
+                             scaling_config=ScalingConfig(num_workers=3), run_config=rc).fit()
+    assert "run 'resized': resuming from checkpoint_4 (written at world 2, stage 3)" in caplog.text
+    # The run's history on storage holds both fits, the second appended after the first.
+    lines = [json.loads(line) for line in (tmp_path / "runs" / "resized" / "metrics.jsonl").read_text().splitlines()]
+    assert [h["step"] for h in lines] == [1, 2, 3, 4, 5, 6, 7, 8]
 
     h1, h2 = first.metrics_history, second.metrics_history
     assert [h["step"] for h in h2] == [5, 6, 7, 8] and {h["start"] for h in h2} == {4}

@@ -44,7 +44,8 @@ class RunStorage:
     def validate(self, processes: int) -> None:
         """Refuse storage the driver and ``processes`` - 1 ranks cannot share; create the run's
         directory and write, read and delete a probe file."""
-        require_shared(self.fs, self.storage_path, "RunConfig.storage_path", processes)
+        what = "RunConfig.storage_path (written by the driver and by every rank)"
+        require_shared(self.fs, self.storage_path, what, processes)
         probe = self.path(f".zeroray-probe-{uuid.uuid4().hex}")
         try:
             self.fs.makedirs(self.dir, exist_ok=True)

@@ -127,7 +127,7 @@ class ZeroTrainer:
         self._check_picklable()
         rc = self.run_config
         storage = RunStorage(rc.storage_path, rc.name, rc.storage_options)
-        storage.validate(processes=self.scaling_config.num_workers + 1)  # the ranks and this driver
+        storage.validate(processes=self.scaling_config.num_workers + 1)  # every rank, and this driver
         ensure_ray()
         scaling_policy = FixedScalingPolicy(self.scaling_config)
         decision = scaling_policy.decide_for_new_group()
