@@ -59,7 +59,7 @@ class ProgressCallback(ControllerCallback):
         self.progress = progress
 
     def after_report(self, report: Report, entry: dict[str, Any]) -> None:
-        self.progress.update(entry)
+        self.progress.update(report)
 
     def after_state_change(self, previous: S.ControllerState | None, current: S.ControllerState) -> None:
         if current.is_terminal:

@@ -12,6 +12,7 @@ import sys
 import time
 from typing import Any
 
+from zeroray.train.report import Report
 from zeroray.train.reporting import finite_or_none
 
 logger = logging.getLogger(__name__)
@@ -34,13 +35,13 @@ class Progress:
         self._first: tuple[float, int] | None = None
         self._step = 0
 
-    def update(self, entry: dict[str, Any]) -> None:
-        step = entry.get("_global_step") or entry["_report"]
-        now = entry["_time_s"]
+    def update(self, report: Report) -> None:
+        step = report.global_step or report.index
+        now = report.time
         if self._first is None:
             self._first = (now, step)
-        parts = {"step": step}
-        loss = finite_or_none(entry.get("loss"))
+        parts: dict[str, Any] = {"step": step}
+        loss = finite_or_none(report.metrics.get("loss"))
         if loss is not None:
             parts["loss"] = f"{loss:.4f}"
         t0, s0 = self._first
