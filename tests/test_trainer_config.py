@@ -45,6 +45,10 @@ def test_failure_and_checkpoint_configs():
     with pytest.raises(ValueError, match="async_save"):
         CheckpointConfig(async_save="yes")
     assert CheckpointConfig(num_to_keep=2, async_save=True).num_to_keep == 2
+    assert FailureConfig().collective_timeout_s == 300.0  # minutes, not torch's 30
+    for bad in (0, -1.0, "60", True):
+        with pytest.raises(ValueError, match="collective_timeout_s"):
+            FailureConfig(collective_timeout_s=bad)
 
 
 def test_run_config_checks(tmp_path):
@@ -54,6 +58,10 @@ def test_run_config_checks(tmp_path):
         RunConfig(failure_config={"max_failures": 1})
     assert RunConfig(storage_path=tmp_path).storage_path == str(tmp_path)
     assert RunConfig().name.startswith("zeroray-")
+    assert RunConfig(lease_timeout_s=5).lease_timeout_s == 5
+    for bad in (0, -1, None):
+        with pytest.raises(ValueError, match="lease_timeout_s"):
+            RunConfig(lease_timeout_s=bad)
 
 
 def test_trainer_rejects_bad_arguments_without_ray():

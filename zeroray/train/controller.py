@@ -31,6 +31,7 @@ from zeroray.train.errors import Failure, StartFailure, TrainingFailedError, Wor
 from zeroray.train.failure_policy import FailureDecision, FailurePolicy
 from zeroray.train.lease import RunLease
 from zeroray.train.progress import Progress
+from zeroray.train.report import Report
 from zeroray.train.result import Result
 from zeroray.train.run_spec import RunSpec
 from zeroray.train.scaling_policy import ScalingPolicy
@@ -185,7 +186,7 @@ class Controller:
         time.sleep(POLL_INTERVAL_S)
         return S.Running()
 
-    def _on_report(self, report: Any) -> None:
+    def _on_report(self, report: Report) -> None:
         entry = report.history_entry(self._t0, self.attempt)
         for callback in self.callbacks:
             callback.after_report(report, entry)
