@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import zeroray.train as zt
+from tests.fixtures_s3 import s3  # noqa: F401
 from tests.ray_helpers import assert_nothing_left, zeroray_actors
 from zeroray.train import RunConfig, ScalingConfig, ZeroTrainer
 from zeroray.train.errors import RunLeaseError
@@ -113,3 +114,42 @@ def test_a_fresh_lease_file_refuses_and_an_unreadable_one_counts_as_stale(ray_cl
     assert "taking over run 'held' from unknown" in caplog.text
     assert sorted(os.listdir(run_dir)) == ["metrics.jsonl", "run.json"]
     assert_nothing_left("held")
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_lease_and_history_on_local_disk_and_object_storage(s3, tmp_path, where, caplog):  # noqa: F811
+    from zeroray.train.lease import RunLease
+    from zeroray.train.storage import RunStorage
+
+    storage_path, options = (str(tmp_path), None) if where == "local" else (s3["bucket"] + f"/{tmp_path.name}",
+                                                                           s3["options"])
+    storage = RunStorage(storage_path, "run", options)
+    storage.validate(processes=3)
+    first = RunLease(storage, timeout_s=60)
+    first.acquire()
+    try:
+        with pytest.raises(RunLeaseError, match=rf"run 'run' is running .* owner {first.owner}"):
+            RunLease(RunStorage(storage_path, "run", options), timeout_s=60).acquire()
+        assert storage.open_history() == 0
+        storage.append_history([{"a": 1}])
+        storage.append_history([{"a": 2}])
+    finally:
+        first.release()
+    assert not storage.fs.exists(storage.path("lease.json"))
+
+    # A lease whose heartbeat is older than the timeout is taken over, with a warning.
+    again = RunStorage(storage_path, "run", options)
+    stale = {"owner": "dead-driver", "started_at": 0.0, "heartbeat": 0.0}
+    again.fs.pipe_file(again.path("lease.json"), json.dumps(stale).encode())
+    second = RunLease(again, timeout_s=60)
+    with caplog.at_level(logging.WARNING, logger="zeroray.train.lease"):
+        second.acquire()
+    try:
+        assert "taking over run 'run' from dead-driver" in caplog.text
+        assert json.loads(again.fs.cat_file(again.path("lease.json")))["owner"] == second.owner
+        assert again.open_history() == 2
+        again.append_history([{"a": 3}])
+        assert [json.loads(line)["a"] for line in again.fs.cat_file(again.path("metrics.jsonl")).splitlines()] == [
+            1, 2, 3]
+    finally:
+        second.release()
