@@ -90,7 +90,7 @@ class ZeroTrainer:
                     f"open files inside the loop): {type(e).__name__}: {e}"
                 ) from e
 
-    def spec(self) -> RunSpec:
+    def _spec(self) -> RunSpec:
         """The run as the controller, the worker group and the ranks see it."""
         sc, rc = self.scaling_config, self.run_config
         return RunSpec(
@@ -140,7 +140,7 @@ class ZeroTrainer:
                 logger.info("zeroray: run %r: appending to %s/metrics.jsonl (%d earlier reports)",
                             rc.name, storage.url, earlier)
             self._controller = Controller(
-                spec=self.spec(),
+                spec=self._spec(),
                 datasets=self.datasets,
                 storage=storage,
                 scaling_policy=scaling_policy,
