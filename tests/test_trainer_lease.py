@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -153,3 +154,36 @@ def test_lease_and_history_on_local_disk_and_object_storage(s3, tmp_path, where,
             1, 2, 3]
     finally:
         second.release()
+
+
+def _reports_forever():
+    i = 0
+    while True:
+        zt.report({"i": i})
+        i += 1
+        time.sleep(0.05)
+
+
+def test_a_run_that_loses_its_lease_stops(ray_cluster, tmp_path):
+    """Another driver took the lease over (this one's heartbeat was late): the run ends, says so, and
+    leaves the other's lease alone."""
+    run_dir = tmp_path / "runs" / "usurped"
+    intruder = {"owner": "other-driver:1:xyz", "started_at": time.time(), "heartbeat": time.time()}
+
+    def take_over() -> None:
+        _wait_for(lambda: (run_dir / "metrics.jsonl").exists(), "the run's first report")
+        (run_dir / "lease.json.tmp").write_text(json.dumps(intruder))
+        os.replace(run_dir / "lease.json.tmp", run_dir / "lease.json")
+
+    thread = threading.Thread(target=take_over)
+    thread.start()
+    try:
+        with pytest.raises(zt.TrainingFailedError, match=r"lost the lease of run 'usurped' to other-driver:1:xyz"):
+            ZeroTrainer(_reports_forever, scaling_config=ScalingConfig(num_workers=2),
+                        run_config=RunConfig(name="usurped", storage_path=str(tmp_path / "runs"), progress_bar=False,
+                                             lease_timeout_s=2.0)).fit()
+    finally:
+        thread.join()
+    assert json.loads((run_dir / "lease.json").read_text())["owner"] == intruder["owner"]
+    assert json.loads((run_dir / "run.json").read_text())["status"] == "ERRORED"
+    assert_nothing_left("usurped")
