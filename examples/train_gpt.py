@@ -1,7 +1,7 @@
 """Train a small GPT with ZeRO on Ray: the README Quickstart.
 
     python examples/train_gpt.py                         # ZeRO-3, 2 workers, local embedded Ray cluster
-    python examples/train_gpt.py --stage 2 --workers 3 --steps 300
+    python examples/train_gpt.py --stage 2 --workers 3 --steps 300 --num-cpus 3
     python examples/train_gpt.py --deepspeed-config ds_config.json --storage-path s3://bucket/runs
 
 A byte-level GPT (about 3M parameters) learns examples/data/corpus.txt, a synthetic text shipped with
@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -32,6 +34,7 @@ import zeroray.train as zt
 from zeroray import ZeroConfig
 from zeroray.models.gpt import GPT, GPTConfig
 from zeroray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, ZeroTrainer
+from zeroray.train.cluster import ensure_ray, started_here
 
 DATA = Path(__file__).resolve().parent / "data" / "corpus.txt"
 
@@ -114,8 +117,11 @@ def train_loop(config: dict[str, Any]) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--stage", type=int, default=None, help="ZeRO stage 0-3 (default 3, or the DeepSpeed config's)")
-    p.add_argument("--workers", type=int, default=2, help="ranks, one Ray actor each")
-    p.add_argument("--steps", type=int, default=150, help="optimizer steps")
+    p.add_argument("--workers", type=int, default=2, help="ranks, one Ray actor each (one CPU each)")
+    p.add_argument("--num-cpus", type=int, default=None,
+                   help="logical CPUs of the embedded Ray cluster (default: the cores); set it to --workers "
+                        "to run more ranks than cores")
+    p.add_argument("--steps", type=int, default=150, help="optimizer steps (the run's total, across resumes)")
     p.add_argument("--storage-path", default=str(Path.home() / "zeroray_results"), help="any fsspec URL")
     p.add_argument("--name", default=None, help="run name (default: gpt-<time>)")
     p.add_argument("--deepspeed-config", default=None, help="a DeepSpeed JSON config (its ZeRO settings are used)")
@@ -129,6 +135,18 @@ def main() -> None:
     p.add_argument("--use-gpu", action="store_true", help="one GPU per worker, NCCL")
     p.add_argument("--max-failures", type=int, default=0)
     args = p.parse_args()
+    if args.steps < 0 or args.workers < 1:
+        p.error("--steps must be >= 0 and --workers >= 1")
+    if args.num_cpus is not None and (args.num_cpus < 1 or os.environ.get("RAY_ADDRESS")):
+        p.error("--num-cpus (>= 1) sizes the embedded Ray cluster; with RAY_ADDRESS set the cluster is given")
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # zeroray's progress and resume lines
+    ensure_ray(num_cpus=args.num_cpus)
+    import ray
+
+    cpus = ray.cluster_resources().get("CPU", 0)
+    if started_here() and not args.use_gpu and cpus < args.workers:
+        p.error(f"--workers {args.workers} needs {args.workers} CPUs (one per rank) but the Ray cluster started "
+                f"here has {cpus:g}: pass --num-cpus {args.workers} to share the cores (slower), or fewer --workers")
 
     if args.deepspeed_config:
         zero = ZeroConfig.coerce(args.deepspeed_config)
@@ -159,8 +177,13 @@ def main() -> None:
     result = trainer.fit()
 
     history = [h for h in result.metrics_history if "loss" in h]
-    print(f"\nloss: {history[0]['loss']:.3f} at step {history[0]['_global_step']} -> "
-          f"{history[-1]['loss']:.3f} at step {history[-1]['_global_step']}")
+    if history:
+        print(f"\nloss: {history[0]['loss']:.3f} at step {history[0]['_global_step']} -> "
+              f"{history[-1]['loss']:.3f} at step {history[-1]['_global_step']}")
+    else:
+        at = result.metrics_history[-1]["_global_step"]
+        print(f"\nno training step: the run is at step {at} and --steps is {args.steps} "
+              "(raise --steps to train on, or pick a new --name to start over)")
     for h in history:
         if "val_loss" in h:
             secs = f"{h['_step_time_s']:.2f} s/step" if h["_step_time_s"] is not None else ""

@@ -11,22 +11,43 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _run(tmp_path: Path, *args: str) -> str:
+def _run(tmp_path: Path, *args: str, returncode: int = 0) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     cmd = [sys.executable, str(ROOT / "examples" / "train_gpt.py"), "--storage-path", str(tmp_path),
            "--name", "smoke", "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--block", "32", *args]
     done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return done.stdout
+    assert done.returncode == returncode, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
 
 
 def test_train_gpt_trains_checkpoints_and_resumes(tmp_path: Path) -> None:
-    out = _run(tmp_path, "--steps", "6")
+    out = _run(tmp_path, "--steps", "6").stdout
     assert "loss: " in out and "at step 6" in out
     assert f"newest checkpoint: {tmp_path}/smoke/checkpoint_6 (step 6)" in out
     assert "memory per rank at the end (MiB):" in out
     assert (tmp_path / "smoke" / "checkpoint_6" / "manifest.json").exists()
 
-    out = _run(tmp_path, "--steps", "8", "--stage", "2")  # same run name: resumes at step 6
-    assert "at step 7 ->" in out and "at step 8" in out
-    assert f"newest checkpoint: {tmp_path}/smoke/checkpoint_8 (step 8)" in out
+    done = _run(tmp_path, "--steps", "8", "--stage", "2")  # same run name: resumes at step 6
+    assert "at step 7 ->" in done.stdout and "at step 8" in done.stdout
+    assert f"newest checkpoint: {tmp_path}/smoke/checkpoint_8 (step 8)" in done.stdout
+    assert "resuming from checkpoint_6 (written at world 2, stage 3)" in done.stderr
+
+    # Resumed past --steps: nothing to train, said so (not an IndexError); the history keeps every fit's lines.
+    done = _run(tmp_path, "--steps", "5")
+    assert "no training step: the run is at step 8 and --steps is 5" in done.stdout, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    lines = (tmp_path / "smoke" / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 6 + 1 + 2 + 1 + 1  # 6 steps + sample, 2 steps + sample, sample
+
+
+def test_train_gpt_with_no_steps_or_more_workers_than_cpus(tmp_path: Path) -> None:
+    done = _run(tmp_path, "--steps", "0", "--workers", "1")
+    assert "no training step: the run is at step 0 and --steps is 0" in done.stdout
+    assert "Traceback" not in done.stderr
+
+    workers = str((os.cpu_count() or 1) + 1)
+    done = _run(tmp_path, "--workers", workers, "--steps", "1", returncode=2)
+    assert f"--workers {workers} needs {workers} CPUs" in done.stderr and f"--num-cpus {workers}" in done.stderr
+    assert "Traceback" not in done.stderr
+    done = _run(tmp_path, "--workers", "3", "--num-cpus", "3", "--steps", "1", "--name", "three")
+    assert "at step 1" in done.stdout and "3 ranks" in done.stdout

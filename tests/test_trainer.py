@@ -16,7 +16,6 @@ import threading
 import time
 import urllib.request
 
-import psutil
 import pytest
 import ray
 import torch
@@ -24,36 +23,12 @@ import torch.distributed as dist
 from ray.util.state import list_actors, list_placement_groups
 
 import zeroray.train as zt
+from tests.ray_helpers import assert_nothing_left, run_config, zeroray_actors
 from zeroray.train import FailureConfig, RunConfig, ScalingConfig, TrainingFailedError, ZeroTrainer
 from zeroray.train.storage import StorageError
 
 # ---------------------------------------------------------------------------------------------- helpers
 
-
-def _run_config(tmp_path, name: str, **kw) -> RunConfig:
-    return RunConfig(name=name, storage_path=str(tmp_path / "runs"), progress_bar=False, **kw)
-
-
-def _zeroray_actors(run: str) -> list:
-    return [a for a in list_actors(limit=10_000) if (a.name or "").startswith(f"zeroray:{run}:")]
-
-
-def _zeroray_pgs(run: str) -> list:
-    return [p for p in list_placement_groups(limit=10_000) if p.name == f"zeroray:{run}"]
-
-
-def assert_nothing_left(run: str, pids: list[int] = (), timeout_s: float = 15.0) -> None:
-    """Every actor of the run DEAD, its placement group REMOVED, its actor processes gone."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        actors = [(a.name, a.state) for a in _zeroray_actors(run) if a.state != "DEAD"]
-        pgs = [(p.name, p.state) for p in _zeroray_pgs(run) if p.state != "REMOVED"]
-        procs = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-        if not actors and not pgs and not procs:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"left behind: actors {actors}, placement groups {pgs}, processes {procs}")
-        time.sleep(0.2)
 
 
 def _ddp_loop(config):
@@ -90,7 +65,7 @@ def test_trainer_runs_on_n_workers(ray_cluster, tmp_path, workers):
         _ddp_loop,
         train_loop_config={"steps": steps},
         scaling_config=ScalingConfig(num_workers=workers, placement_strategy=strategy),
-        run_config=_run_config(tmp_path, name),
+        run_config=run_config(tmp_path, name),
     ).fit()
 
     # Every report arrived, in order; rank 0's metrics are the ones kept; each rank's stats travel along.
@@ -123,7 +98,7 @@ def test_trainer_runs_on_n_workers(ray_cluster, tmp_path, workers):
     assert json.loads((tmp_path / "runs" / name / "run.json").read_text())["status"] == "FINISHED"
 
     # The dashboard shows who is who: one named actor per rank, one placement group with the strategy.
-    assert sorted(a.name for a in _zeroray_actors(name)) == [f"zeroray:{name}:rank-{r}" for r in range(workers)]
+    assert sorted(a.name for a in zeroray_actors(name)) == [f"zeroray:{name}:rank-{r}" for r in range(workers)]
     pgs = [p for p in ray.util.placement_group_table().values() if p["name"] == f"zeroray:{name}"]
     assert [(p["strategy"], len(p["bundles"])) for p in pgs] == [(strategy, workers)]
     assert_nothing_left(name, pids)
@@ -144,7 +119,7 @@ def test_worker_exception_surfaces_with_rank_and_traceback(ray_cluster, tmp_path
             _failing_loop,
             train_loop_config={"bad_rank": 1},
             scaling_config=ScalingConfig(num_workers=2),
-            run_config=_run_config(tmp_path, name),
+            run_config=run_config(tmp_path, name),
         ).fit()
     err = info.value
     assert err.rank == 1 and [f.rank for f in err.failures] == [1]
@@ -172,7 +147,7 @@ def test_dead_actor_fails_the_run_or_restarts_the_group(ray_cluster, tmp_path):
     with pytest.raises(TrainingFailedError) as info:
         ZeroTrainer(_dies_once_loop, train_loop_config={"marker": marker},
                     scaling_config=ScalingConfig(num_workers=2),
-                    run_config=_run_config(tmp_path, "dies")).fit()
+                    run_config=run_config(tmp_path, "dies")).fit()
     assert info.value.rank == 1 and info.value.failures[0].actor_died
     assert_nothing_left("dies")
 
@@ -180,7 +155,7 @@ def test_dead_actor_fails_the_run_or_restarts_the_group(ray_cluster, tmp_path):
     os.remove(marker)
     result = ZeroTrainer(_dies_once_loop, train_loop_config={"marker": marker},
                          scaling_config=ScalingConfig(num_workers=2),
-                         run_config=_run_config(tmp_path, "restarts",
+                         run_config=run_config(tmp_path, "restarts",
                                                 failure_config=FailureConfig(max_failures=1))).fit()
     assert result.attempts == 2
     attempts = [h["_attempt"] for h in result.metrics_history]
@@ -202,7 +177,7 @@ def _shard_loop(config):
 def test_dataset_shards_are_disjoint_and_cover(ray_cluster, tmp_path):
     ds = ray.data.range(60, override_num_blocks=6)
     result = ZeroTrainer(_shard_loop, datasets={"train": ds}, scaling_config=ScalingConfig(num_workers=3),
-                         run_config=_run_config(tmp_path, "shards")).fit()
+                         run_config=run_config(tmp_path, "shards")).fit()
     per_rank = [set(ids) for ids in result.metrics["ids"]]
     assert all(len(s) == 20 for s in per_rank)  # equal=True: the same number of rows on every rank
     assert per_rank[0].isdisjoint(per_rank[1]) and per_rank[1].isdisjoint(per_rank[2])
@@ -219,7 +194,7 @@ def _mismatched_loop():
 def test_report_count_mismatch_is_an_error_not_a_hang(ray_cluster, tmp_path):
     with pytest.raises(TrainingFailedError, match="same number of times"):
         ZeroTrainer(_mismatched_loop, scaling_config=ScalingConfig(num_workers=2),
-                    run_config=_run_config(tmp_path, "mismatch")).fit()
+                    run_config=run_config(tmp_path, "mismatch")).fit()
     assert_nothing_left("mismatch")
 
 
@@ -272,7 +247,7 @@ def _metrics_loop(config):
 def test_rank_actors_export_ray_metrics(ray_cluster, tmp_path):
     result = ZeroTrainer(_metrics_loop, train_loop_config={"url": ray_cluster["metrics_url"]},
                          scaling_config=ScalingConfig(num_workers=2),
-                         run_config=_run_config(tmp_path, "metrics")).fit()
+                         run_config=run_config(tmp_path, "metrics")).fit()
     seen = result.metrics["seen"]
     assert seen, "no ray_zeroray_* metrics for this run on the Prometheus endpoint"
     loss_lines = [line for line in seen.splitlines() if line.startswith("ray_zeroray_loss")]
@@ -283,7 +258,7 @@ def test_rank_actors_export_ray_metrics(ray_cluster, tmp_path):
 
 
 _CTRL_C_DRIVER = """
-import sys, time, ray
+import logging, sys, time, ray
 import zeroray.train as zt
 from zeroray.train import ZeroTrainer, ScalingConfig, RunConfig
 
@@ -292,6 +267,7 @@ def loop():
     while True:
         zt.report({"i": i}); i += 1; time.sleep(0.05)
 
+logging.basicConfig(level=logging.INFO, format="%(message)s")  # the progress lines are INFO logs
 ray.init(address=sys.argv[1])
 try:
     ZeroTrainer(loop, scaling_config=ScalingConfig(num_workers=2),
@@ -314,7 +290,7 @@ def test_ctrl_c_in_the_driver_tears_the_group_down(ray_cluster, tmp_path):
             out.append(line)
             if line.startswith("zeroray: step="):
                 break
-        alive = [a for a in _zeroray_actors("ctrl-c") if a.state == "ALIVE"]
+        alive = [a for a in zeroray_actors("ctrl-c") if a.state == "ALIVE"]
         assert len(alive) == 2, "".join(out)
         proc.send_signal(signal.SIGINT)
         for line in proc.stdout:

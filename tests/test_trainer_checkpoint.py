@@ -5,6 +5,8 @@ another world size and stage. Every test checks that nothing is left behind."""
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import signal
 
@@ -13,12 +15,11 @@ import torch
 
 import zeroray.checkpoint as zc
 import zeroray.train as zt
-from tests.test_trainer import assert_nothing_left
+from tests.ray_helpers import assert_nothing_left, run_config
 from zeroray.train import (
     CheckpointConfig,
     FailureConfig,
     ReportMismatchError,
-    RunConfig,
     ScalingConfig,
     TrainingFailedError,
     ZeroTrainer,
@@ -29,8 +30,6 @@ def _stage(stage: int) -> dict:
     return {"zero_optimization": {"stage": stage}}
 
 
-def _run_config(tmp_path, name: str, **kw) -> RunConfig:
-    return RunConfig(name=name, storage_path=str(tmp_path / "runs"), progress_bar=False, **kw)
 
 
 def _loop(config):
@@ -72,7 +71,7 @@ def test_checkpoints_are_saved_and_the_newest_num_to_keep_stay(ray_cluster, tmp_
         train_loop_config={"steps": 8, "every": 2},
         zero_config=_stage(2),
         scaling_config=ScalingConfig(num_workers=2),
-        run_config=_run_config(tmp_path, name, checkpoint_config=CheckpointConfig(num_to_keep=2,
+        run_config=run_config(tmp_path, name, checkpoint_config=CheckpointConfig(num_to_keep=2,
                                                                                   async_save=async_save)),
     ).fit()
 
@@ -93,13 +92,13 @@ def test_checkpoints_are_saved_and_the_newest_num_to_keep_stay(ray_cluster, tmp_
 def test_a_killed_rank_restarts_the_group_from_the_last_committed_checkpoint(ray_cluster, tmp_path):
     common = {"zero_config": _stage(3), "scaling_config": ScalingConfig(num_workers=2)}
     config = {"steps": 8, "every": 2, "weights": True}
-    reference = ZeroTrainer(_loop, train_loop_config=config, run_config=_run_config(tmp_path, "uninterrupted"),
+    reference = ZeroTrainer(_loop, train_loop_config=config, run_config=run_config(tmp_path, "uninterrupted"),
                             **common).fit()
     marker = tmp_path / "killed"
     result = ZeroTrainer(
         _loop,
         train_loop_config={**config, "kill_at": 5, "marker": str(marker)},
-        run_config=_run_config(tmp_path, "killed", failure_config=FailureConfig(max_failures=1)),
+        run_config=run_config(tmp_path, "killed", failure_config=FailureConfig(max_failures=1)),
         **common,
     ).fit()
 
@@ -125,13 +124,18 @@ def test_a_killed_rank_restarts_the_group_from_the_last_committed_checkpoint(ray
     assert_nothing_left("killed", list({h["pid"] for h in history}))
 
 
-def test_a_new_fit_resumes_the_run_at_another_world_size_and_stage(ray_cluster, tmp_path):
-    run_config = _run_config(tmp_path, "resized")
+def test_a_new_fit_resumes_the_run_at_another_world_size_and_stage(ray_cluster, tmp_path, caplog):
+    rc = run_config(tmp_path, "resized")
     first = ZeroTrainer(_loop, train_loop_config={"steps": 4, "every": 4}, zero_config=_stage(3),
-                        scaling_config=ScalingConfig(num_workers=2), run_config=run_config).fit()
+                        scaling_config=ScalingConfig(num_workers=2), run_config=rc).fit()
     assert first.checkpoint.step == 4
-    second = ZeroTrainer(_loop, train_loop_config={"steps": 8, "every": 4}, zero_config=_stage(1),
-                         scaling_config=ScalingConfig(num_workers=3), run_config=run_config).fit()
+    with caplog.at_level(logging.INFO, logger="zeroray.train"):
+        second = ZeroTrainer(_loop, train_loop_config={"steps": 8, "every": 4}, zero_config=_stage(1),
+                             scaling_config=ScalingConfig(num_workers=3), run_config=rc).fit()
+    assert "run 'resized': resuming from checkpoint_4 (written at world 2, stage 3)" in caplog.text
+    # The run's history on storage holds both fits, the second appended after the first.
+    lines = [json.loads(line) for line in (tmp_path / "runs" / "resized" / "metrics.jsonl").read_text().splitlines()]
+    assert [h["step"] for h in lines] == [1, 2, 3, 4, 5, 6, 7, 8]
 
     h1, h2 = first.metrics_history, second.metrics_history
     assert [h["step"] for h in h2] == [5, 6, 7, 8] and {h["start"] for h in h2} == {4}
@@ -152,7 +156,7 @@ def _report_before_prepare():
 
 def test_checkpoint_report_before_prepare_is_a_clear_error(ray_cluster, tmp_path):
     with pytest.raises(TrainingFailedError, match=r"zt\.prepare\(\) has not been called") as info:
-        ZeroTrainer(_report_before_prepare, run_config=_run_config(tmp_path, "no-engine")).fit()
+        ZeroTrainer(_report_before_prepare, run_config=run_config(tmp_path, "no-engine")).fit()
     assert "RuntimeError" in str(info.value) and info.value.result.checkpoint is None
     assert zc.list_checkpoints(str(tmp_path / "runs" / "no-engine")) == []
     assert_nothing_left("no-engine")
@@ -167,7 +171,7 @@ def _rank0_checkpoints_alone():
 def test_ranks_that_disagree_on_checkpoint_fail_instead_of_hanging(ray_cluster, tmp_path):
     with pytest.raises(TrainingFailedError, match="checkpoint=True.* must be called by every rank") as info:
         ZeroTrainer(_rank0_checkpoints_alone, scaling_config=ScalingConfig(num_workers=2),
-                    run_config=_run_config(tmp_path, "disagree")).fit()
+                    run_config=run_config(tmp_path, "disagree")).fit()
     assert ReportMismatchError.__name__ in str(info.value)
     assert zc.list_checkpoints(str(tmp_path / "runs" / "disagree")) == []
     assert_nothing_left("disagree")

@@ -45,6 +45,10 @@ def test_failure_and_checkpoint_configs():
     with pytest.raises(ValueError, match="async_save"):
         CheckpointConfig(async_save="yes")
     assert CheckpointConfig(num_to_keep=2, async_save=True).num_to_keep == 2
+    assert FailureConfig().collective_timeout_s == 300.0  # minutes, not torch's 30
+    for bad in (0, -1.0, "60", True):
+        with pytest.raises(ValueError, match="collective_timeout_s"):
+            FailureConfig(collective_timeout_s=bad)
 
 
 def test_run_config_checks(tmp_path):
@@ -54,6 +58,10 @@ def test_run_config_checks(tmp_path):
         RunConfig(failure_config={"max_failures": 1})
     assert RunConfig(storage_path=tmp_path).storage_path == str(tmp_path)
     assert RunConfig().name.startswith("zeroray-")
+    assert RunConfig(lease_timeout_s=5).lease_timeout_s == 5
+    for bad in (0, -1, None):
+        with pytest.raises(ValueError, match="lease_timeout_s"):
+            RunConfig(lease_timeout_s=bad)
 
 
 def test_trainer_rejects_bad_arguments_without_ray():
@@ -77,18 +85,23 @@ def test_trainer_rejects_bad_arguments_without_ray():
 
 
 def test_storage_validation(tmp_path):
-    RunStorage(str(tmp_path), "run").validate()
+    RunStorage(str(tmp_path), "run").validate(processes=3)
     assert (tmp_path / "run").is_dir() and list((tmp_path / "run").iterdir()) == []
     blocker = tmp_path / "a_file"
     blocker.write_text("x")
     with pytest.raises(StorageError, match="not reachable or not writable"):
-        RunStorage(str(blocker / "sub"), "run").validate()
-    with pytest.raises(StorageError, match="cannot be opened"):
+        RunStorage(str(blocker / "sub"), "run").validate(processes=3)
+    with pytest.raises(StorageError, match="cannot open storage URL"):
         RunStorage("nosuchprotocol://bucket/x", "run")
+    # One process may use its own memory filesystem; the ranks of a run are several processes.
     mem = RunStorage("memory://zeroray-test", "run")
-    mem.validate()
-    mem.write_history([{"loss": 1.0}])
-    assert mem.fs.cat(mem.dir + "/metrics.jsonl") == b'{"loss": 1.0}\n'
+    mem.validate(processes=1)
+    with pytest.raises(StorageError, match="process-local"):
+        mem.validate(processes=3)
+    assert mem.open_history() == 0
+    mem.append_history([{"loss": 1.0}])
+    mem.append_history([{"loss": 0.5}])
+    assert mem.fs.cat(mem.dir + "/metrics.jsonl") == b'{"loss": 1.0}\n{"loss": 0.5}\n'
 
 
 def test_rank_layout_groups_ranks_by_node():
@@ -117,16 +130,18 @@ def test_latest_checkpoint_is_the_newest_committed_on_storage(tmp_path):
     assert latest_checkpoint(str(run)) == Checkpoint(f"{run}/checkpoint_10", 10)  # by step, not by name
 
 
-def test_history_appends_and_first_write_truncates(tmp_path):
+def test_history_of_a_run_appends_across_fits_and_drops_a_torn_line(tmp_path):
     (tmp_path / "run").mkdir()
-    (tmp_path / "run" / "metrics.jsonl").write_text('{"stale": 1}\n')  # a previous run of that name
+    # An earlier fit of the run wrote two reports, and its writer died in the middle of a third.
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"fit": 1}\n{"fit": 1}\n{"fit": 1, "lo')
     storage = RunStorage(str(tmp_path), "run")
-    history = [{"loss": 3.0}]
-    storage.write_history(history)
-    history += [{"loss": 2.0}, {"loss": 1.0}]
-    storage.write_history(history)
-    storage.write_history(history)
-    assert (tmp_path / "run" / "metrics.jsonl").read_text() == '{"loss": 3.0}\n{"loss": 2.0}\n{"loss": 1.0}\n'
+    assert storage.open_history() == 2
+    storage.append_history([{"loss": 3.0}])
+    storage.append_history([])
+    storage.append_history([{"loss": 2.0}, {"loss": 1.0}])
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == (
+        '{"fit": 1}\n{"fit": 1}\n{"loss": 3.0}\n{"loss": 2.0}\n{"loss": 1.0}\n'
+    )
 
 
 def test_worker_api_outside_a_train_loop_says_so():

@@ -13,6 +13,7 @@ import zeroray
 import zeroray.train as zt
 from tests.dist_harness import run_ranks
 from tests.models import TinyLM, batches
+from tests.ray_helpers import assert_nothing_left
 from zeroray.train import RunConfig, ScalingConfig, ZeroTrainer
 
 STEPS = 4
@@ -52,8 +53,6 @@ def _mp_worker(rank: int, world: int) -> dict:
 
 
 def test_trainer_run_matches_torch_multiprocessing(ray_cluster, tmp_path):
-    from tests.test_trainer import assert_nothing_left
-
     result = ZeroTrainer(
         _trainer_loop,
         zero_config=DS_CONFIG,

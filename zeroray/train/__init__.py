@@ -5,7 +5,7 @@ from zeroray.train.checkpoint_manager import Checkpoint
 from zeroray.train.config import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from zeroray.train.context import TrainContext, get_context
 from zeroray.train.dataset import get_dataset_shard
-from zeroray.train.errors import ReportMismatchError, TrainingFailedError, WorkerFailure
+from zeroray.train.errors import ReportMismatchError, RunLeaseError, TrainingFailedError, WorkerFailure
 from zeroray.train.preparation import prepare
 from zeroray.train.reporting import report
 from zeroray.train.result import Result
@@ -22,6 +22,7 @@ __all__ = [
     "TrainContext",
     "TrainingFailedError",
     "ReportMismatchError",
+    "RunLeaseError",
     "WorkerFailure",
     "get_context",
     "prepare",

@@ -14,8 +14,9 @@ import ray
 logger = logging.getLogger(__name__)
 
 
-def ensure_ray() -> None:
-    """``ray.init()`` if needed: it connects to RAY_ADDRESS (or a ``ray start`` cluster), else starts one.
+def ensure_ray(num_cpus: int | None = None) -> None:
+    """``ray.init()`` if needed: it connects to RAY_ADDRESS (or a ``ray start`` cluster), else starts one
+    (with ``num_cpus`` logical CPUs when given: more than the cores lets more ranks share them).
 
     The workers of a cluster started here inherit this process's environment; zeroray's own source
     root goes on their PYTHONPATH so a checkout that is not pip-installed works too.
@@ -28,7 +29,7 @@ def ensure_ray() -> None:
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     if root not in paths:
         os.environ["PYTHONPATH"] = os.pathsep.join([*paths, root])
-    ray.init(address=os.environ.get("RAY_ADDRESS"))
+    ray.init(address=os.environ.get("RAY_ADDRESS"), num_cpus=num_cpus)
 
 
 def started_here() -> bool:

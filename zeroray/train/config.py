@@ -20,6 +20,10 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 @dataclass
 class ScalingConfig:
     """How many ranks, and what each rank's actor holds (one bundle of the placement group per rank).
@@ -87,15 +91,29 @@ class FailureConfig:
     A restart tears the group down, starts a new one and runs the loop again; ``zt.prepare`` loads the
     newest committed checkpoint, so the loop resumes from ``engine.global_step``. 0 = no restart;
     -1 = restart without limit.
+
+    ``collective_timeout_s`` bounds how long a rank waits inside one collective (``zt.report``'s
+    barrier, the engine's gathers and reductions, a checkpoint's commit) for its peers. It is the
+    process groups' timeout, and what turns a rank that skipped a ``zt.report`` or called
+    ``engine.full_state_dict()`` alone from a silent hang into an error naming the ranks and their
+    report counts. The default, 5 minutes, is far above one step or one rank's checkpoint shard upload
+    at ordinary sizes and far below torch's 30 minutes; raise it when ranks legitimately wait longer
+    for each other (e.g. rank 0 alone downloading data between two collectives).
     """
 
     max_failures: int = 0
+    collective_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_failures) or self.max_failures < -1:
             raise ValueError(
                 f"FailureConfig.max_failures must be an integer >= 0, or -1 for unlimited, "
                 f"got {self.max_failures!r}"
+            )
+        if not _is_number(self.collective_timeout_s) or not self.collective_timeout_s > 0:
+            raise ValueError(
+                f"FailureConfig.collective_timeout_s must be a number of seconds > 0, "
+                f"got {self.collective_timeout_s!r}"
             )
 
 
@@ -139,6 +157,11 @@ class RunConfig:
     ``<storage_path>/<name>`` is also what a run resumes from: a new ``fit()`` with the same name and
     storage path continues from its newest committed checkpoint.
     ``progress_bar``: True/False, or None = a bar on a terminal and a log line every few seconds otherwise.
+
+    A running ``fit()`` holds a lease on its run directory (``lease.json``: an owner id and a
+    heartbeat the driver refreshes), so a second ``fit()`` with the same name and storage path refuses
+    to start instead of interleaving checkpoints and history. A lease whose heartbeat is older than
+    ``lease_timeout_s`` (its driver died) is taken over with a warning.
     """
 
     name: str = field(default_factory=_default_name)
@@ -147,8 +170,13 @@ class RunConfig:
     failure_config: FailureConfig = field(default_factory=FailureConfig)
     checkpoint_config: CheckpointConfig = field(default_factory=CheckpointConfig)
     progress_bar: bool | None = None
+    lease_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
+        if not _is_number(self.lease_timeout_s) or not self.lease_timeout_s > 0:
+            raise ValueError(
+                f"RunConfig.lease_timeout_s must be a number of seconds > 0, got {self.lease_timeout_s!r}"
+            )
         if not isinstance(self.name, str) or not _NAME_RE.match(self.name):
             raise ValueError(
                 f"RunConfig.name must be non-empty and use only letters, digits, '_', '-' and '.', "

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from zeroray.train.config import CheckpointConfig
+from zeroray.train.run_spec import RunSpec
 
 
 @dataclass(frozen=True)
@@ -64,20 +65,37 @@ class TrainContext:
 
 @dataclass
 class Session:
-    """Mutable per-rank state shared by prepare/report/get_dataset_shard and the hosting actor."""
+    """Mutable per-rank state shared by prepare/report/get_dataset_shard and the hosting actor.
+
+    ``report_callbacks`` run on every ``zt.report`` in this rank (the Ray metrics). ``waiting_in`` says
+    where a failure happened: "report" (inside the barrier of a ``zt.report``), "end" (the closing
+    exchange after the loop returned) or None (in the user's loop).
+    """
 
     context: TrainContext
-    zero_config: Any
+    spec: RunSpec
     dataset_shards: dict[str, Any]
     report_group: Any  # a gloo process group for the report barrier (None when world_size == 1)
-    metrics: Any  # RankMetrics or None
-    storage_options: dict[str, Any] | None = None  # RunConfig's, for the checkpoint writes and reads
-    checkpoint_config: CheckpointConfig = field(default_factory=CheckpointConfig)
+    report_callbacks: list[Any] = field(default_factory=list)
     reports: queue.Queue = field(default_factory=queue.Queue)
     engine: Any = None
     num_reports: int = 0
+    waiting_in: str | None = None
     last_report_time: float | None = None
     last_global_step: int = 0
+
+    @property
+    def zero_config(self) -> Any:
+        return self.spec.zero_config
+
+    @property
+    def storage_options(self) -> dict[str, Any] | None:
+        """RunConfig's, for the checkpoint writes and reads."""
+        return self.spec.storage_options
+
+    @property
+    def checkpoint_config(self) -> CheckpointConfig:
+        return self.spec.checkpoint_config
 
 
 _SESSION: Session | None = None

@@ -1,34 +1,46 @@
 """The controller: an explicit state machine in the driver that runs the group until it finishes or fails.
 
-Each state has one handler returning the next state (see state.py for the graph). Policies decide;
-the controller only acts: the scaling policy says how big the next group is, the failure policy whether
-a failure restarts the group. A (re)started group resumes from the run's newest committed checkpoint by
-itself (``zt.prepare``); the controller only reads storage to log it and to fill ``Result.checkpoint``.
-The controller lives in the driver process, so Ctrl-C reaches it directly and tears the group down.
+It decides and dispatches, in the shape of Ray Train V2's controller: each state has one handler
+returning the next state (see state.py for the graph); ``_set_state`` fires the callbacks, which hold
+every side effect (history, progress, metrics.jsonl, run.json; callbacks.py); reports go to the same
+callbacks. Policies decide, the controller acts: the scaling policy says how big the next group is and,
+while RUNNING, whether to resize; the failure policy whether a failure restarts the group. A
+(re)started group resumes from the run's newest committed checkpoint by itself (``zt.prepare``); the
+controller reads storage only to log it and to fill ``Result.checkpoint``. It lives in the driver
+process, so Ctrl-C reaches it directly and tears the group down.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
 from zeroray.train import state as S
-from zeroray.train.checkpoint_manager import Checkpoint, latest_checkpoint
-from zeroray.train.config import RunConfig, ScalingConfig
-from zeroray.train.errors import TrainingFailedError, WorkerFailure
+from zeroray.train.callbacks import (
+    ControllerCallback,
+    HistoryCallback,
+    MetricsFileCallback,
+    ProgressCallback,
+    RunInfoCallback,
+)
+from zeroray.train.checkpoint_manager import latest_checkpoint
+from zeroray.train.errors import Failure, StartFailure, TrainingFailedError, WorkerFailure
 from zeroray.train.failure_policy import FailureDecision, FailurePolicy
+from zeroray.train.lease import RunLease
 from zeroray.train.progress import Progress
+from zeroray.train.report import Report
 from zeroray.train.result import Result
+from zeroray.train.run_spec import RunSpec
 from zeroray.train.scaling_policy import ScalingPolicy
 from zeroray.train.storage import RunStorage
-from zeroray.train.worker_group import WorkerGroup
+from zeroray.train.worker_group import WorkerGroup, WorkerGroupStartError
 
 logger = logging.getLogger(__name__)
 
 POLL_INTERVAL_S = 0.1
-HISTORY_WRITE_INTERVAL_S = 5.0
 FAILURE_GRACE_S = 3.0  # how long to wait for the root-cause failure after a peer's collective failed
 
 
@@ -38,63 +50,68 @@ class Controller:
     def __init__(
         self,
         *,
-        train_fn: Callable[..., Any],
-        train_loop_config: dict[str, Any] | None,
-        pass_config: bool,
-        zero_config: Any,
-        scaling_config: ScalingConfig,
-        run_config: RunConfig,
+        spec: RunSpec,
         datasets: dict[str, Any],
         storage: RunStorage,
         scaling_policy: ScalingPolicy,
         failure_policy: FailurePolicy,
-        samples_per_step: int | None,
+        lease: RunLease | None = None,
+        callbacks: list[ControllerCallback] | None = None,
     ) -> None:
-        self.train_fn, self.train_loop_config, self.pass_config = train_fn, train_loop_config, pass_config
-        self.zero_config = zero_config
-        self.scaling_config, self.run_config = scaling_config, run_config
-        self.datasets, self.storage = datasets, storage
+        self.spec, self.datasets, self.storage = spec, datasets, storage
         self.scaling_policy, self.failure_policy = scaling_policy, failure_policy
-        self.samples_per_step = samples_per_step
+        self.lease = lease
         self.group: WorkerGroup | None = None
-        self.history: list[dict[str, Any]] = []
-        self.last_metrics: dict[str, Any] | None = None
         self.attempt = 0
+        self.state: S.ControllerState | None = None
         self.states: list[S.StateType] = []  # the path taken, for logs and tests
-        self._t0 = time.time()
-        self._last_write = 0.0
-        self.progress: Progress | None = None
         self.last_pids: list[int] = []
+        self._t0 = time.time()
+        self.history = HistoryCallback()
+        metrics_file = MetricsFileCallback(storage)
+        self.callbacks: list[ControllerCallback] = [
+            self.history,
+            ProgressCallback(Progress(spec.progress_bar, spec.samples_per_step)),
+            metrics_file,
+            RunInfoCallback(storage, metrics_file),
+            *(callbacks or []),
+        ]
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> Result:
         """Run the state machine to a terminal state; raise TrainingFailedError / KeyboardInterrupt."""
-        state: S.ControllerState = S.Initializing()
-        self.progress = Progress(self.run_config.progress_bar, self.samples_per_step)
         try:
-            while not state.is_terminal:
-                self.states.append(state.type)
-                logger.debug("zeroray controller: %s", state)
-                state = self._handle(state)
-            self.states.append(state.type)
+            self._set_state(S.Initializing())
+            while not self.state.is_terminal:
+                following = self._step(self.state)
+                if following.is_terminal:
+                    self._shutdown_group()  # the group is gone before run.json says how it ended
+                self._set_state(following)
         except KeyboardInterrupt:
-            self.states.append(S.StateType.ABORTED)
             self._shutdown_group()
-            self._write(status="ABORTED")
+            self._set_state(S.Aborted())
+            raise
+        except Exception as e:  # the driver's own error: still end ERRORED in run.json, then raise it
+            self._shutdown_group()
+            logger.error("zeroray: the controller failed:\n%s", traceback.format_exc())
+            self._set_state(S.Errored(e))
             raise
         finally:
             self._shutdown_group()
-            self.progress.close()
-        if isinstance(state, S.Errored):
-            error = TrainingFailedError(state.failures, attempts=self.attempt)
-            error.result = self._result(error)
-            self._write(status="ERRORED", error=str(error))
-            raise error
-        self._write(status="FINISHED")
+        if isinstance(self.state, S.Errored):
+            raise self.state.error
         return self._result(None)
 
-    def _handle(self, state: S.ControllerState) -> S.ControllerState:
+    def _set_state(self, state: S.ControllerState) -> None:
+        previous, self.state = self.state, state
+        self.states.append(state.type)
+        logger.debug("zeroray controller: %s -> %s", previous, state)
+        for callback in self.callbacks:
+            callback.after_state_change(previous, state)
+
+    def _step(self, state: S.ControllerState) -> S.ControllerState:
         if isinstance(state, S.Initializing):
+            self._log_resume()
             return S.Scheduling(self.scaling_policy.decide_for_new_group())
         if isinstance(state, S.Scheduling):
             return self._schedule(state)
@@ -103,40 +120,41 @@ class Controller:
         if isinstance(state, S.Restarting):
             self._shutdown_group()
             return S.Scheduling(self.scaling_policy.decide_for_new_group())
-        raise AssertionError(f"no handler for {state}")  # Resizing arrives with the elastic policy
+        if isinstance(state, S.Resizing):
+            self._shutdown_group()
+            return S.Scheduling(state.decision)
+        raise AssertionError(f"no handler for {state}")
 
     # ------------------------------------------------------------------ handlers
+    def _log_resume(self) -> None:
+        """Say what a new fit of an existing run continues from (the ranks load it in zt.prepare)."""
+        import zeroray.checkpoint as zc
+
+        try:
+            committed = [c for c in zc.list_checkpoints(self.storage.url, self.spec.storage_options) if c.committed]
+        except Exception as e:
+            logger.warning("zeroray: could not list the checkpoints in %s: %s: %s", self.storage.url,
+                           type(e).__name__, e)
+            return
+        if committed:
+            c = committed[-1]
+            logger.warning("zeroray: run %r: resuming from checkpoint_%d (written at world %s, stage %s): %s",
+                           self.spec.name, c.step, c.world_size, c.stage, c.url)
+
     def _schedule(self, state: S.Scheduling) -> S.ControllerState:
         self.attempt += 1
-        sc = self.scaling_config
         try:
             self.group = WorkerGroup.start(
-                run=self.run_config.name,
+                spec=self.spec,
                 decision=state.decision,
-                placement_strategy=sc.placement_strategy,
-                use_gpu=sc.use_gpu,
-                backend=sc.backend,
-                placement_timeout_s=sc.placement_timeout_s,
-                setup_kwargs={
-                    "experiment_name": self.run_config.name,
-                    "storage_path": self.run_config.storage_path,
-                    "trial_dir": self.storage.url,
-                    "zero_config": self.zero_config,
-                    "storage_options": self.run_config.storage_options,
-                    "checkpoint_config": self.run_config.checkpoint_config,
-                },
                 per_rank_datasets=self._split_datasets(state.decision.num_workers),
-                train_fn=self.train_fn,
-                train_loop_config=self.train_loop_config,
-                pass_config=self.pass_config,
             )
-        except KeyboardInterrupt:
-            raise
-        except Exception as e:
-            import traceback
-
-            failure = WorkerFailure(-1, f"starting the worker group failed: {type(e).__name__}: {e}",
-                                    traceback.format_exc())
+        except WorkerGroupStartError as e:
+            tb = traceback.format_exc()
+            if e.rank is None:
+                failure: Failure = StartFailure(e.what, str(e), tb)
+            else:
+                failure = WorkerFailure(e.rank, str(e), tb)
             return self._on_failure([failure])
         self.last_pids = self.group.pids
         return S.Running()
@@ -160,34 +178,26 @@ class Controller:
             return self._on_failure(self._collect_failures(status.failures))
         if status.finished:
             return S.Finished()
-        if time.monotonic() - self._last_write >= HISTORY_WRITE_INTERVAL_S and status.reports:
-            self._write(status="RUNNING")
+        if self.lease is not None and self.lease.lost:
+            return self._errored([StartFailure("lease", self.lease.lost)])
+        resize = self.scaling_policy.decide_while_running(len(self.group.actors))
+        if resize is not None:
+            return S.Resizing(resize)
         time.sleep(POLL_INTERVAL_S)
         return S.Running()
 
-    def _on_report(self, report: dict[str, Any]) -> None:
-        ranks = report["ranks"]
-        step_times = [r["step_time_s"] for r in ranks if r.get("step_time_s") is not None]
-        entry = {
-            **report["metrics"],
-            "_report": report["index"],
-            "_global_step": ranks[0].get("global_step"),
-            "_time_s": report["time"] - self._t0,
-            "_step_time_s": max(step_times) if step_times else None,
-            "_attempt": self.attempt,
-            "_ranks": ranks,
-        }
-        self.history.append(entry)
-        self.last_metrics = dict(report["metrics"])
-        if self.progress is not None:
-            self.progress.update(entry)
+    def _on_report(self, report: Report) -> None:
+        entry = report.history_entry(self._t0, self.attempt)
+        for callback in self.callbacks:
+            callback.after_report(report, entry)
 
-    def _collect_failures(self, failures: list[WorkerFailure]) -> list[WorkerFailure]:
+    def _collect_failures(self, failures: list[WorkerFailure]) -> list[Failure]:
         """When only ranks hurt by a peer's failure have reported so far, wait briefly for the root cause."""
         assert self.group is not None
         deadline = time.monotonic() + FAILURE_GRACE_S
         by_rank = {f.rank: f for f in failures}
-        while all(f.secondary for f in by_rank.values()) and time.monotonic() < deadline:
+        while (time.monotonic() < deadline and len(by_rank) < len(self.group.actors)
+               and all(f.secondary for f in by_rank.values())):
             time.sleep(POLL_INTERVAL_S)
             status = self.group.poll(timeout_s=FAILURE_GRACE_S)
             for report in status.reports:
@@ -195,7 +205,7 @@ class Controller:
             by_rank.update({f.rank: f for f in status.failures})
         return list(by_rank.values())
 
-    def _on_failure(self, failures: list[WorkerFailure]) -> S.ControllerState:
+    def _on_failure(self, failures: list[Failure]) -> S.ControllerState:
         decision = self.failure_policy.decide(failures)
         if decision is FailureDecision.RESTART:
             latest = self._latest_checkpoint()
@@ -205,7 +215,12 @@ class Controller:
                 "\n".join(str(f) for f in failures),
             )
             return S.Restarting(failures)
-        return S.Errored(failures)
+        return self._errored(failures)
+
+    def _errored(self, failures: list[Failure]) -> S.Errored:
+        error = TrainingFailedError(failures, attempts=self.attempt)
+        error.result = self._result(error)
+        return S.Errored(error)
 
     # ------------------------------------------------------------------ helpers
     def _shutdown_group(self) -> None:
@@ -213,30 +228,10 @@ class Controller:
             group, self.group = self.group, None
             group.shutdown(graceful=False)
 
-    def _write(self, status: str, error: str | None = None) -> None:
-        """Persist the history and the run's status; a storage hiccup never fails the run."""
-        self._last_write = time.monotonic()
-        try:
-            self.storage.write_history(self.history)
-            self.storage.write_run_info(
-                {
-                    "name": self.run_config.name,
-                    "status": status,
-                    "attempts": self.attempt,
-                    "num_workers": self.scaling_config.num_workers,
-                    "num_reports": len(self.history),
-                    "started_at": self._t0,
-                    "updated_at": time.time(),
-                    "error": error,
-                }
-            )
-        except Exception as e:
-            logger.warning("zeroray: could not write the metrics history to %s: %s", self.storage.url, e)
-
-    def _latest_checkpoint(self) -> Checkpoint | None:
+    def _latest_checkpoint(self) -> Any:
         """The newest committed checkpoint on storage; a listing that fails is logged, never fails the run."""
         try:
-            return latest_checkpoint(self.storage.url, self.run_config.storage_options)
+            return latest_checkpoint(self.storage.url, self.spec.storage_options)
         except Exception as e:
             logger.warning("zeroray: could not list the checkpoints in %s: %s: %s", self.storage.url,
                            type(e).__name__, e)
@@ -244,8 +239,8 @@ class Controller:
 
     def _result(self, error: BaseException | None) -> Result:
         return Result(
-            metrics=self.last_metrics,
-            metrics_history=list(self.history),
+            metrics=self.history.last_metrics,
+            metrics_history=list(self.history.history),
             path=self.storage.url,
             checkpoint=self._latest_checkpoint(),
             error=error,

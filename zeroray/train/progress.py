@@ -1,13 +1,21 @@
-"""The driver's progress display: a tqdm bar on a terminal, a log line every few seconds otherwise."""
+"""The driver's progress display: a tqdm bar on a terminal, a log line every few seconds otherwise.
+
+The lines go to the ``zeroray.train.progress`` logger at INFO, so the application decides where they
+appear (``logging.basicConfig(level=logging.INFO)`` shows them on stderr); the library never prints.
+"""
 
 from __future__ import annotations
 
+import logging
 import shutil
 import sys
 import time
 from typing import Any
 
+from zeroray.train.report import Report
 from zeroray.train.reporting import finite_or_none
+
+logger = logging.getLogger(__name__)
 
 
 class Progress:
@@ -23,17 +31,17 @@ class Progress:
             from tqdm.auto import tqdm
 
             self.bar = tqdm(desc="zeroray", unit="step", dynamic_ncols=True)
-        self._last_log = 0.0
+        self._last_log = float("-inf")
         self._first: tuple[float, int] | None = None
         self._step = 0
 
-    def update(self, entry: dict[str, Any]) -> None:
-        step = entry.get("_global_step") or entry["_report"]
-        now = entry["_time_s"]
+    def update(self, report: Report) -> None:
+        step = report.global_step or report.index
+        now = report.time
         if self._first is None:
             self._first = (now, step)
-        parts = {"step": step}
-        loss = finite_or_none(entry.get("loss"))
+        parts: dict[str, Any] = {"step": step}
+        loss = finite_or_none(report.metrics.get("loss"))
         if loss is not None:
             parts["loss"] = f"{loss:.4f}"
         t0, s0 = self._first
@@ -45,9 +53,10 @@ class Progress:
             self.bar.update(max(step - self._step, 0))
         elif self.lines and time.monotonic() - self._last_log >= self.log_every_s:
             self._last_log = time.monotonic()
-            print("zeroray: " + "  ".join(f"{k}={v}" for k, v in parts.items()), file=sys.stderr, flush=True)
+            logger.info("zeroray: %s", "  ".join(f"{k}={v}" for k, v in parts.items()))
         self._step = step
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+            self.bar = None

@@ -10,15 +10,14 @@ from __future__ import annotations
 import os
 import threading
 import traceback
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from zeroray.train import checkpoint_manager, rendezvous
-from zeroray.train.config import CheckpointConfig
 from zeroray.train.context import RankInfo, Session, TrainContext, set_session
-from zeroray.train.errors import WorkerFailure, is_collective_error
+from zeroray.train.errors import WorkerFailure, is_collective_error, is_collective_timeout
+from zeroray.train.run_spec import RunSpec
 
 
 def actor_name(run: str, rank: int) -> str:
@@ -51,61 +50,52 @@ class RankActor:
         """Rank 0 publishes where the group meets."""
         return rendezvous.node_address(), rendezvous.free_port()
 
-    def setup(
-        self,
-        master_addr: str,
-        master_port: int,
-        backend: str,
-        timeout_s: float,
-        experiment_name: str,
-        storage_path: str,
-        trial_dir: str,
-        zero_config: Any,
-        dataset_shards: dict[str, Any],
-        storage_options: dict[str, Any] | None,
-        checkpoint_config: CheckpointConfig,
-    ) -> None:
+    def setup(self, master_addr: str, master_port: int, spec: RunSpec, dataset_shards: dict[str, Any]) -> None:
         """Join the process group and build this rank's session."""
         device = torch.device("cuda", 0) if self.use_gpu else torch.device("cpu")
         if self.use_gpu:
             torch.cuda.set_device(device)  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU(s)
-        report_group = rendezvous.init_process_group(master_addr, master_port, self.info, backend, timeout_s)
+        report_group = rendezvous.init_process_group(
+            master_addr, master_port, self.info, spec.backend, spec.collective_timeout_s
+        )
         from zeroray.train.ray_metrics import RankMetrics
 
+        callbacks = []
         try:
-            metrics = RankMetrics(experiment_name, self.info.world_rank)
+            callbacks.append(RankMetrics(spec.name, self.info.world_rank))
         except Exception:  # no metrics agent (e.g. a minimal cluster): training does not depend on it
-            metrics = None
-        ctx = TrainContext(self.info, experiment_name, storage_path, device, trial_dir)
-        self.session = Session(ctx, zero_config, dataset_shards, report_group, metrics,
-                               storage_options=storage_options, checkpoint_config=checkpoint_config)
+            pass
+        ctx = TrainContext(self.info, spec.name, spec.storage_path, device, spec.run_url)
+        self.session = Session(ctx, spec, dataset_shards, report_group, report_callbacks=callbacks)
         set_session(self.session)
 
     # ------------------------------------------------------------------ the loop
-    def start(self, train_fn: Callable[..., Any], config: dict[str, Any] | None, pass_config: bool) -> None:
+    def start(self) -> None:
         """Run the user's loop in a thread; ``poll`` tells how it goes."""
         if self.session is None:
             raise RuntimeError("RankActor.start before setup")
-        self.thread = threading.Thread(
-            target=self._run, args=(train_fn, config, pass_config), name="zeroray-train-loop", daemon=True
-        )
+        self.thread = threading.Thread(target=self._run, name="zeroray-train-loop", daemon=True)
         self.thread.start()
 
-    def _run(self, train_fn: Callable[..., Any], config: dict[str, Any] | None, pass_config: bool) -> None:
+    def _run(self) -> None:
         from zeroray.train.reporting import finish
 
+        session = self.session
         try:
             if self.use_gpu:
-                torch.cuda.set_device(self.session.context.device)  # the current device is per thread
-            train_fn(config) if pass_config else train_fn()
-            checkpoint_manager.wait(self.session)  # join an async save (rank 0: committed) before "done"
-            finish(self.session)
+                torch.cuda.set_device(session.context.device)  # the current device is per thread
+            session.spec.run_loop()
+            checkpoint_manager.wait(session)  # join an async save (rank 0: committed) before "done"
+            finish(session)
         except BaseException as e:  # noqa: B036 - SystemExit in a loop is a failure too
             self.failure = WorkerFailure(
                 rank=self.info.world_rank,
                 message=f"{type(e).__name__}: {e}",
                 traceback=traceback.format_exc(),
                 secondary=is_collective_error(e),
+                num_reports=session.num_reports,
+                waiting_in=session.waiting_in,
+                timed_out=is_collective_timeout(e),
             )
         finally:
             self.done = True

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from zeroray.train.callbacks import ReportCallback
+from zeroray.train.report import RankStats
 from zeroray.train.reporting import finite_or_none
 
 
-class RankMetrics:
-    """Gauges and counters for one rank, updated on every ``zt.report``."""
+class RankMetrics(ReportCallback):
+    """Gauges and counters for one rank, updated on every ``zt.report`` (a callback of the rank's
+    reports: each rank exports its own values from its own process)."""
 
     def __init__(self, run: str, rank: int) -> None:
         from ray.util.metrics import Counter, Gauge
@@ -25,17 +28,17 @@ class RankMetrics:
         self.memory = Gauge("zeroray_memory_bytes", "Rank memory by category", (*tags, "category"))
         self.reports = Counter("zeroray_reports_total", "zt.report calls", tags)
 
-    def record(self, metrics: dict[str, Any], stats: dict[str, Any], num_reports: int) -> None:
+    def after_report(self, metrics: dict[str, Any], stats: RankStats, num_reports: int) -> None:
         """Push one report's values; never raises into the user's loop."""
         try:
-            step = stats.get("global_step")
+            step = stats.global_step
             self.step.set(float(step if step is not None else num_reports), self._tags)
             loss = finite_or_none(metrics.get("loss"))
             if loss is not None:
                 self.loss.set(loss, self._tags)
-            if stats.get("step_time_s") is not None:
-                self.step_time.set(float(stats["step_time_s"]), self._tags)
-            for category, nbytes in stats.get("memory", {}).items():
+            if stats.step_time_s is not None:
+                self.step_time.set(float(stats.step_time_s), self._tags)
+            for category, nbytes in stats.memory.items():
                 self.memory.set(float(nbytes), {**self._tags, "category": category})
             self.reports.inc(1.0, self._tags)
         except Exception:  # metrics are best effort; training goes on

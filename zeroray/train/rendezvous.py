@@ -56,8 +56,11 @@ def init_process_group(
         world_size=info.world_size,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
-    # A separate gloo group keeps report barriers off the engine's group and streams (NCCL or gloo).
-    return dist.new_group(backend="gloo") if info.world_size > 1 else None
+    # A separate gloo group keeps report barriers off the engine's group and streams (NCCL or gloo). It
+    # gets the same timeout: new_group would otherwise fall back to torch's 30-minute default.
+    if info.world_size == 1:
+        return None
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def destroy_process_group() -> None:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from zeroray.train import checkpoint_manager
 from zeroray.train.context import Session, get_session
 from zeroray.train.errors import ReportMismatchError
+from zeroray.train.report import RankStats, Report
 
 _DONE = "__zeroray_done__"
 
@@ -41,7 +42,7 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _rank_stats(session: Session) -> dict[str, Any]:
+def _rank_stats(session: Session) -> RankStats:
     """This rank's memory by category and time per optimizer step since its previous report."""
     now = time.perf_counter()
     engine = session.engine
@@ -57,12 +58,12 @@ def _rank_stats(session: Session) -> dict[str, Any]:
         memory["cuda_allocated"] = int(torch.cuda.memory_allocated(device))
         memory["cuda_max_allocated"] = int(torch.cuda.max_memory_allocated(device))
     memory["process_rss"] = _process_rss_bytes()
-    return {
-        "rank": session.context.get_world_rank(),
-        "global_step": global_step if engine is not None else None,
-        "step_time_s": step_time,
-        "memory": memory,
-    }
+    return RankStats(
+        rank=session.context.get_world_rank(),
+        global_step=global_step if engine is not None else None,
+        step_time_s=step_time,
+        memory=memory,
+    )
 
 
 def _exchange(session: Session, item: Any) -> list[Any]:
@@ -109,26 +110,23 @@ def report(metrics: dict[str, Any], checkpoint: bool = False) -> None:
     stats = _rank_stats(session)
     is_rank0 = session.context.get_world_rank() == 0
     item = {"metrics": plain if is_rank0 else None, "stats": stats, "checkpoint": checkpoint}
+    session.waiting_in = "report"
     gathered = _exchange(session, item)
     _check_mismatch(gathered, num_reports=session.num_reports)
     if checkpoint:
         checkpoint_manager.save(session)
     session.num_reports += 1
-    if session.metrics is not None:
-        session.metrics.record(plain, stats, session.num_reports)
+    session.waiting_in = None
+    for callback in session.report_callbacks:
+        callback.after_report(plain, stats, session.num_reports)
     if is_rank0:
-        session.reports.put(
-            {
-                "index": session.num_reports,
-                "time": time.time(),
-                "metrics": plain,
-                "ranks": [g["stats"] for g in gathered],
-            }
-        )
+        ranks = tuple(g["stats"] for g in gathered)
+        session.reports.put(Report(index=session.num_reports, time=time.time(), metrics=plain, ranks=ranks))
 
 
 def finish(session: Session) -> None:
     """Called by the actor after the loop returned: the closing exchange that detects report mismatches."""
+    session.waiting_in = "end"
     gathered = _exchange(session, _DONE)
     _check_mismatch(gathered, num_reports=session.num_reports)
 

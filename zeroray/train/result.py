@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from zeroray.train.checkpoint_manager import Checkpoint
+from zeroray.train.report import RankStats
 
 
 @dataclass
@@ -32,11 +33,10 @@ class Result:
         rows = []
         for entry in self.metrics_history:
             row = {k: v for k, v in entry.items() if k != "_ranks"}
-            for r in entry.get("_ranks", []):
-                i = r["rank"]
-                row[f"rank{i}/step_time_s"] = r.get("step_time_s")
-                for cat, nbytes in r.get("memory", {}).items():
-                    row[f"rank{i}/memory/{cat}"] = nbytes
+            for r in _rank_stats(entry):
+                row[f"rank{r.rank}/step_time_s"] = r.step_time_s
+                for cat, nbytes in r.memory.items():
+                    row[f"rank{r.rank}/memory/{cat}"] = nbytes
             rows.append(row)
         return pd.DataFrame(rows)
 
@@ -45,4 +45,9 @@ class Result:
         """Each rank's memory by category at its last report."""
         if not self.metrics_history:
             return {}
-        return {r["rank"]: dict(r.get("memory", {})) for r in self.metrics_history[-1].get("_ranks", [])}
+        return {r.rank: dict(r.memory) for r in _rank_stats(self.metrics_history[-1])}
+
+
+def _rank_stats(entry: dict[str, Any]) -> list[RankStats]:
+    """The ranks' stats of one history row (stored as plain dicts, as in metrics.jsonl)."""
+    return [RankStats(**r) for r in entry.get("_ranks", [])]

@@ -3,8 +3,9 @@
 INITIALIZING -> SCHEDULING -> RUNNING -> FINISHED
                     ^            |-> RESTARTING -> SCHEDULING   (failure policy says restart)
                     |            |-> ERRORED                    (failure policy says raise)
-                    '-- RESIZING <-'                            (scaling policy; not used yet)
-any non-terminal state -> ABORTED (Ctrl-C in the driver)
+                    '-- RESIZING <-'                            (scaling policy asks; the fixed one never does)
+SCHEDULING -> RESTARTING / ERRORED when the group cannot start (failure policy)
+any non-terminal state -> ABORTED (Ctrl-C in the driver), ERRORED (an error in the driver itself)
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from zeroray.train.errors import WorkerFailure
+from zeroray.train.errors import Failure
 from zeroray.train.scaling_policy import ScalingDecision
 
 
@@ -58,7 +59,7 @@ class Running(ControllerState):
 
 @dataclass(frozen=True)
 class Restarting(ControllerState):
-    failures: list[WorkerFailure]
+    failures: list[Failure]
     type: StateType = field(default=StateType.RESTARTING, init=False)
 
 
@@ -75,7 +76,9 @@ class Finished(ControllerState):
 
 @dataclass(frozen=True)
 class Errored(ControllerState):
-    failures: list[WorkerFailure]
+    """``error``: the TrainingFailedError ``fit()`` raises, or the driver's own unexpected error."""
+
+    error: BaseException
     type: StateType = field(default=StateType.ERRORED, init=False)
 
 

@@ -8,13 +8,18 @@ the driver with a clear message before any actor starts.
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Callable
 from typing import Any
 
 from zeroray.config import ZeroConfig
+from zeroray.storage import join_url
 from zeroray.train.config import RunConfig, ScalingConfig
 from zeroray.train.dataset import validate_datasets
 from zeroray.train.result import Result
+from zeroray.train.run_spec import RunSpec
+
+logger = logging.getLogger(__name__)
 
 
 def _takes_config(fn: Callable[..., Any]) -> bool:
@@ -85,32 +90,63 @@ class ZeroTrainer:
                     f"open files inside the loop): {type(e).__name__}: {e}"
                 ) from e
 
-    def fit(self) -> Result:
-        """Run the loop on the group until it ends; return the Result or raise TrainingFailedError."""
-        from zeroray.train.cluster import check_fits, ensure_ray
-        from zeroray.train.controller import Controller
-        from zeroray.train.failure_policy import FailurePolicy
-        from zeroray.train.scaling_policy import FixedScalingPolicy
-        from zeroray.train.storage import RunStorage
-
-        self._check_picklable()
-        storage = RunStorage(self.run_config.storage_path, self.run_config.name, self.run_config.storage_options)
-        storage.validate()
-        ensure_ray()
-        scaling_policy = FixedScalingPolicy(self.scaling_config)
-        decision = scaling_policy.decide_for_new_group()
-        check_fits(decision.num_workers, decision.resources_per_worker)
-        self._controller = Controller(
+    def _spec(self) -> RunSpec:
+        """The run as the controller, the worker group and the ranks see it."""
+        sc, rc = self.scaling_config, self.run_config
+        return RunSpec(
+            name=rc.name,
+            run_url=join_url(rc.storage_path, rc.name),
+            storage_path=rc.storage_path,
+            storage_options=rc.storage_options,
             train_fn=self.train_fn,
             train_loop_config=self.train_loop_config,
             pass_config=self.pass_config,
             zero_config=self.zero_config,
-            scaling_config=self.scaling_config,
-            run_config=self.run_config,
-            datasets=self.datasets,
-            storage=storage,
-            scaling_policy=scaling_policy,
-            failure_policy=FailurePolicy(self.run_config.failure_config),
+            use_gpu=sc.use_gpu,
+            placement_strategy=sc.placement_strategy,
+            placement_timeout_s=sc.placement_timeout_s,
+            collective_timeout_s=rc.failure_config.collective_timeout_s,
+            checkpoint_config=rc.checkpoint_config,
             samples_per_step=self.samples_per_step,
+            progress_bar=rc.progress_bar,
         )
-        return self._controller.run()
+
+    def fit(self) -> Result:
+        """Run the loop on the group until it ends; return the Result or raise TrainingFailedError.
+
+        Before any actor starts: the loop pickles, the storage is writable and shareable by every rank,
+        no other fit() runs this run (its lease), the cluster can hold the group.
+        """
+        from zeroray.train.cluster import check_fits, ensure_ray
+        from zeroray.train.controller import Controller
+        from zeroray.train.failure_policy import FailurePolicy
+        from zeroray.train.lease import RunLease
+        from zeroray.train.scaling_policy import FixedScalingPolicy
+        from zeroray.train.storage import RunStorage
+
+        self._check_picklable()
+        rc = self.run_config
+        storage = RunStorage(rc.storage_path, rc.name, rc.storage_options)
+        storage.validate(processes=self.scaling_config.num_workers + 1)  # every rank, and this driver
+        ensure_ray()
+        scaling_policy = FixedScalingPolicy(self.scaling_config)
+        decision = scaling_policy.decide_for_new_group()
+        check_fits(decision.num_workers, decision.resources_per_worker)
+        lease = RunLease(storage, rc.lease_timeout_s)
+        lease.acquire()
+        try:
+            earlier = storage.open_history()
+            if earlier:
+                logger.info("zeroray: run %r: appending to %s/metrics.jsonl (%d earlier reports)",
+                            rc.name, storage.url, earlier)
+            self._controller = Controller(
+                spec=self._spec(),
+                datasets=self.datasets,
+                storage=storage,
+                scaling_policy=scaling_policy,
+                failure_policy=FailurePolicy(rc.failure_config),
+                lease=lease,
+            )
+            return self._controller.run()
+        finally:
+            lease.release()

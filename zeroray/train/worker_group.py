@@ -27,16 +27,24 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from zeroray.train.context import RankInfo
 from zeroray.train.errors import WorkerFailure
 from zeroray.train.rank_actor import RankActor, actor_name
+from zeroray.train.report import Report
+from zeroray.train.run_spec import RunSpec
 from zeroray.train.scaling_policy import ScalingDecision
 
 logger = logging.getLogger(__name__)
 
 ACTOR_CALL_TIMEOUT_S = 120.0  # node_info / rendezvous / setup calls; generous for slow image pulls
-PROCESS_GROUP_TIMEOUT_S = 1800.0  # torch.distributed collective timeout inside the group
 
 
 class WorkerGroupStartError(RuntimeError):
-    """The group could not be started (placement, actor creation or rendezvous failed)."""
+    """The group could not be started (placement, actor creation or rendezvous failed).
+
+    ``what`` names the step that failed; ``rank`` the rank whose call failed, when one did.
+    """
+
+    def __init__(self, what: str, message: str, rank: int | None = None) -> None:
+        super().__init__(message)
+        self.what, self.rank = what, rank
 
 
 def placement_group_name(run: str) -> str:
@@ -47,7 +55,7 @@ def placement_group_name(run: str) -> str:
 class PollStatus:
     """What one poll of every rank found."""
 
-    reports: list[dict[str, Any]] = field(default_factory=list)
+    reports: list[Report] = field(default_factory=list)
     done: list[bool] = field(default_factory=list)
     failures: list[WorkerFailure] = field(default_factory=list)
 
@@ -82,20 +90,23 @@ def rank_layout(bundle_nodes: list[str]) -> tuple[list[int], list[RankInfo]]:
     return order, infos
 
 
-def _wait_for_placement(pg: PlacementGroup, bundles: list[dict[str, float]], timeout_s: float | None) -> None:
+def _wait_for_placement(pg: PlacementGroup, bundles: list[dict[str, float]], strategy: str,
+                        timeout_s: float | None) -> None:
     start = time.monotonic()
     while True:
         ready, _ = ray.wait([pg.ready()], timeout=30.0 if timeout_s is None else min(30.0, timeout_s))
         if ready:
             return
         waited = time.monotonic() - start
-        msg = (
-            f"zeroray: waited {waited:.0f}s for a placement group of {len(bundles)} x {bundles[0]} "
+        what = (
+            f"{len(bundles)} bundle(s) of {bundles[0]} ({strategy}) for the worker group: waited {waited:.0f}s "
             f"(cluster has {ray.cluster_resources()}, available {ray.available_resources()})"
         )
         if timeout_s is not None and waited >= timeout_s:
-            raise WorkerGroupStartError(msg + "; giving up (ScalingConfig.placement_timeout_s)")
-        logger.warning(msg)
+            raise WorkerGroupStartError(
+                "placement", f"could not place {what}; gave up after ScalingConfig.placement_timeout_s={timeout_s:g}"
+            )
+        logger.warning("zeroray: still waiting to place %s", what)
 
 
 class WorkerGroup:
@@ -111,41 +122,29 @@ class WorkerGroup:
     def start(
         cls,
         *,
-        run: str,
+        spec: RunSpec,
         decision: ScalingDecision,
-        placement_strategy: str,
-        use_gpu: bool,
-        backend: str,
-        placement_timeout_s: float | None,
-        setup_kwargs: dict[str, Any],
         per_rank_datasets: Callable[[list[str]], list[dict[str, Any]]],
-        train_fn: Callable[..., Any],
-        train_loop_config: dict[str, Any] | None,
-        pass_config: bool,
     ) -> WorkerGroup:
         """Reserve, create, rendezvous, start the loop. On any error the partial group is torn down."""
         bundles = [dict(decision.resources_per_worker) for _ in range(decision.num_workers)]
-        pg = placement_group(bundles, strategy=placement_strategy, name=placement_group_name(run))
-        group = cls(run, pg)
+        pg = placement_group(bundles, strategy=spec.placement_strategy, name=placement_group_name(spec.name))
+        group = cls(spec.name, pg)
         try:
-            _wait_for_placement(pg, bundles, placement_timeout_s)
+            _wait_for_placement(pg, bundles, spec.placement_strategy, spec.placement_timeout_s)
             table = placement_group_table(pg)
             bundle_nodes = [table["bundles_to_node_id"][b] for b in range(len(bundles))]
             order, infos = rank_layout(bundle_nodes)
-            group._create_actors(order, infos, decision.resources_per_worker, use_gpu)
+            group._create_actors(order, infos, decision.resources_per_worker, spec.use_gpu)
             group.node_infos = group._get([a.node_info.remote() for a in group.actors], "node_info")
             addr, port = group._get([group.actors[0].rendezvous_address.remote()], "rendezvous")[0]
             shards = per_rank_datasets([info["node_id"] for info in group.node_infos])
-            fn_ref = ray.put(train_fn)
+            spec_ref = ray.put(spec)  # one copy of the loop and its config for every rank
             group._get(
-                [
-                    a.setup.remote(addr, port, backend, PROCESS_GROUP_TIMEOUT_S, dataset_shards=shards[r],
-                                   **setup_kwargs)
-                    for r, a in enumerate(group.actors)
-                ],
+                [a.setup.remote(addr, port, spec_ref, shards[r]) for r, a in enumerate(group.actors)],
                 "setup (torch.distributed rendezvous)",
             )
-            group._get([a.start.remote(fn_ref, train_loop_config, pass_config) for a in group.actors], "start")
+            group._get([a.start.remote() for a in group.actors], "start")
         except BaseException:
             group.shutdown()
             raise
@@ -170,11 +169,19 @@ class WorkerGroup:
             self.actors.append(actor)
 
     def _get(self, refs: list[Any], what: str) -> list[Any]:
-        """ray.get with the group's timeout, naming the rank that failed."""
-        try:
-            return ray.get(refs, timeout=ACTOR_CALL_TIMEOUT_S)
-        except GetTimeoutError as e:
-            raise WorkerGroupStartError(f"zeroray: {what} did not finish in {ACTOR_CALL_TIMEOUT_S:.0f}s") from e
+        """ray.get of one call per rank with the group's timeout, naming the rank that failed."""
+        deadline = time.monotonic() + ACTOR_CALL_TIMEOUT_S
+        out = []
+        for rank, ref in enumerate(refs):
+            try:
+                out.append(ray.get(ref, timeout=max(deadline - time.monotonic(), 0.0)))
+            except GetTimeoutError as e:
+                raise WorkerGroupStartError(
+                    what, f"{what} did not finish in {ACTOR_CALL_TIMEOUT_S:.0f}s on rank {rank}", rank
+                ) from e
+            except Exception as e:  # the call raised, or the actor died
+                raise WorkerGroupStartError(what, f"{what} failed on rank {rank}: {type(e).__name__}: {e}", rank) from e
+        return out
 
     # ------------------------------------------------------------------ running
     def poll(self, timeout_s: float = 30.0) -> PollStatus:

@@ -1,0 +1,38 @@
+"""Helpers shared by the tests that run ZeroTrainer on the real local Ray cluster (conftest's ray_cluster)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import psutil
+from ray.util.state import list_actors, list_placement_groups
+
+from zeroray.train import RunConfig
+
+
+def run_config(tmp_path, name: str, **kw) -> RunConfig:
+    """A run under ``tmp_path/runs`` without a progress display."""
+    return RunConfig(name=name, storage_path=str(tmp_path / "runs"), progress_bar=False, **kw)
+
+
+def zeroray_actors(run: str) -> list:
+    return [a for a in list_actors(limit=10_000) if (a.name or "").startswith(f"zeroray:{run}:")]
+
+
+def zeroray_pgs(run: str) -> list:
+    return [p for p in list_placement_groups(limit=10_000) if p.name == f"zeroray:{run}"]
+
+
+def assert_nothing_left(run: str, pids: Sequence[int] = (), timeout_s: float = 15.0) -> None:
+    """Every actor of the run DEAD, its placement group REMOVED, its actor processes gone."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        actors = [(a.name, a.state) for a in zeroray_actors(run) if a.state != "DEAD"]
+        pgs = [(p.name, p.state) for p in zeroray_pgs(run) if p.state != "REMOVED"]
+        procs = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        if not actors and not pgs and not procs:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"left behind: actors {actors}, placement groups {pgs}, processes {procs}")
+        time.sleep(0.2)

@@ -1,0 +1,189 @@
+"""One fit() at a time per run: two real drivers with the same run name, one refused while the other
+runs; a lease left by a driver killed with SIGKILL is taken over once its heartbeat is stale."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import zeroray.train as zt
+from tests.fixtures_s3 import s3  # noqa: F401
+from tests.ray_helpers import assert_nothing_left, zeroray_actors
+from zeroray.train import RunConfig, ScalingConfig, ZeroTrainer
+from zeroray.train.errors import RunLeaseError
+
+_DRIVER = """
+import sys, time, ray
+import zeroray.train as zt
+from zeroray.train import RunConfig, ScalingConfig, ZeroTrainer
+
+def loop(config):
+    i = 0
+    while True:
+        zt.report({"i": i, "driver": "first"}); i += 1; time.sleep(0.05)
+
+ray.init(address=sys.argv[1])
+ZeroTrainer(loop, train_loop_config={}, scaling_config=ScalingConfig(num_workers=2),
+            run_config=RunConfig(name="leased", storage_path=sys.argv[2], progress_bar=False,
+                                 lease_timeout_s=float(sys.argv[3]))).fit()
+"""
+
+
+def _wait_for(check, what: str, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.2)
+
+
+def _second_loop():
+    zt.report({"driver": "second"})
+
+
+def test_a_second_fit_of_a_running_run_refuses_and_a_dead_drivers_lease_is_taken_over(
+    ray_cluster, tmp_path, caplog
+):
+    runs = tmp_path / "runs"
+    run_dir = runs / "leased"
+    script = tmp_path / "driver.py"
+    script.write_text(_DRIVER)
+    lease_timeout_s = 4.0
+    first = subprocess.Popen([sys.executable, str(script), ray_cluster["address"], str(runs), str(lease_timeout_s)],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        # The first driver runs: its lease is there and its ranks report (metrics.jsonl has lines).
+        metrics = run_dir / "metrics.jsonl"
+        _wait_for(lambda: metrics.exists() and metrics.read_text().count("\n") >= 1, "the first fit's reports")
+        lease = json.loads((run_dir / "lease.json").read_text())
+        first_actors = {a.actor_id for a in zeroray_actors("leased") if a.state == "ALIVE"}
+        assert len(first_actors) == 2
+
+        # A second fit with the same name refuses before any actor starts; the first goes on.
+        second = RunConfig(name="leased", storage_path=str(runs), progress_bar=False, lease_timeout_s=lease_timeout_s)
+        with pytest.raises(RunLeaseError, match=r"run 'leased' is running \(since .* UTC, owner "):
+            ZeroTrainer(_second_loop, scaling_config=ScalingConfig(num_workers=2), run_config=second).fit()
+        assert {a.actor_id for a in zeroray_actors("leased") if a.state != "DEAD"} == first_actors
+        lines_then = metrics.read_text().count("\n")
+        _wait_for(lambda: metrics.read_text().count("\n") > lines_then, "the first fit to go on reporting")
+        assert json.loads((run_dir / "lease.json").read_text())["owner"] == lease["owner"]
+
+        # The first driver dies hard: Ray removes its actors, its lease stays with a heartbeat that ages.
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=30)
+        assert_nothing_left("leased", timeout_s=60)
+        stale = json.loads((run_dir / "lease.json").read_text())
+        _wait_for(lambda: time.time() - stale["heartbeat"] > lease_timeout_s, "the lease to go stale", 30)
+
+        with caplog.at_level(logging.WARNING, logger="zeroray.train.lease"):
+            result = ZeroTrainer(_second_loop, scaling_config=ScalingConfig(num_workers=2), run_config=second).fit()
+        assert f"taking over run 'leased' from {lease['owner']}" in caplog.text
+        assert result.metrics == {"driver": "second"}
+        # The history of both fits is in the file, the second appended after the first's lines.
+        entries = [json.loads(line) for line in metrics.read_text().splitlines()]
+        drivers = [e["driver"] for e in entries]
+        assert drivers[-1] == "second" and set(drivers[:-1]) == {"first"}
+        assert not (run_dir / "lease.json").exists()  # released at the end of the fit
+        assert_nothing_left("leased")
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait(timeout=30)
+
+
+def test_a_fresh_lease_file_refuses_and_an_unreadable_one_counts_as_stale(ray_cluster, tmp_path, caplog):
+    run_dir = Path(tmp_path) / "runs" / "held"
+    run_dir.mkdir(parents=True)
+    now = time.time()
+    (run_dir / "lease.json").write_text(json.dumps({"owner": "elsewhere:1:abc", "started_at": now - 30,
+                                                    "heartbeat": now}))
+    rc = RunConfig(name="held", storage_path=str(tmp_path / "runs"), progress_bar=False)
+    with pytest.raises(RunLeaseError, match=r"run 'held' is running .* owner elsewhere:1:abc, last heartbeat"):
+        ZeroTrainer(_second_loop, run_config=rc).fit()
+    (run_dir / "lease.json").write_text('{"owner": "torn')  # a writer died mid-write
+    with caplog.at_level(logging.WARNING, logger="zeroray.train.lease"):
+        assert ZeroTrainer(_second_loop, run_config=rc).fit().metrics == {"driver": "second"}
+    assert "taking over run 'held' from unknown" in caplog.text
+    assert sorted(os.listdir(run_dir)) == ["metrics.jsonl", "run.json"]
+    assert_nothing_left("held")
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_lease_and_history_on_local_disk_and_object_storage(s3, tmp_path, where, caplog):  # noqa: F811
+    from zeroray.train.lease import RunLease
+    from zeroray.train.storage import RunStorage
+
+    storage_path, options = (str(tmp_path), None) if where == "local" else (s3["bucket"] + f"/{tmp_path.name}",
+                                                                           s3["options"])
+    storage = RunStorage(storage_path, "run", options)
+    storage.validate(processes=3)
+    first = RunLease(storage, timeout_s=60)
+    first.acquire()
+    try:
+        with pytest.raises(RunLeaseError, match=rf"run 'run' is running .* owner {first.owner}"):
+            RunLease(RunStorage(storage_path, "run", options), timeout_s=60).acquire()
+        assert storage.open_history() == 0
+        storage.append_history([{"a": 1}])
+        storage.append_history([{"a": 2}])
+    finally:
+        first.release()
+    assert not storage.fs.exists(storage.path("lease.json"))
+
+    # A lease whose heartbeat is older than the timeout is taken over, with a warning.
+    again = RunStorage(storage_path, "run", options)
+    stale = {"owner": "dead-driver", "started_at": 0.0, "heartbeat": 0.0}
+    again.fs.pipe_file(again.path("lease.json"), json.dumps(stale).encode())
+    second = RunLease(again, timeout_s=60)
+    with caplog.at_level(logging.WARNING, logger="zeroray.train.lease"):
+        second.acquire()
+    try:
+        assert "taking over run 'run' from dead-driver" in caplog.text
+        assert json.loads(again.fs.cat_file(again.path("lease.json")))["owner"] == second.owner
+        assert again.open_history() == 2
+        again.append_history([{"a": 3}])
+        assert [json.loads(line)["a"] for line in again.fs.cat_file(again.path("metrics.jsonl")).splitlines()] == [
+            1, 2, 3]
+    finally:
+        second.release()
+
+
+def _reports_forever():
+    i = 0
+    while True:
+        zt.report({"i": i})
+        i += 1
+        time.sleep(0.05)
+
+
+def test_a_run_that_loses_its_lease_stops(ray_cluster, tmp_path):
+    """Another driver took the lease over (this one's heartbeat was late): the run ends, says so, and
+    leaves the other's lease alone."""
+    run_dir = tmp_path / "runs" / "usurped"
+    intruder = {"owner": "other-driver:1:xyz", "started_at": time.time(), "heartbeat": time.time()}
+
+    def take_over() -> None:
+        _wait_for(lambda: (run_dir / "metrics.jsonl").exists(), "the run's first report")
+        (run_dir / "lease.json.tmp").write_text(json.dumps(intruder))
+        os.replace(run_dir / "lease.json.tmp", run_dir / "lease.json")
+
+    thread = threading.Thread(target=take_over)
+    thread.start()
+    try:
+        with pytest.raises(zt.TrainingFailedError, match=r"lost the lease of run 'usurped' to other-driver:1:xyz"):
+            ZeroTrainer(_reports_forever, scaling_config=ScalingConfig(num_workers=2),
+                        run_config=RunConfig(name="usurped", storage_path=str(tmp_path / "runs"), progress_bar=False,
+                                             lease_timeout_s=2.0)).fit()
+    finally:
+        thread.join()
+    assert json.loads((run_dir / "lease.json").read_text())["owner"] == intruder["owner"]
+    assert json.loads((run_dir / "run.json").read_text())["status"] == "ERRORED"
+    assert_nothing_left("usurped")

@@ -1,0 +1,136 @@
+"""The controller's side effects, one callback each, fired on state changes and on reports.
+
+The controller decides and dispatches (as Ray Train V2's ``_set_state`` does); everything that only
+observes the run lives here: the history that becomes ``Result.metrics_history``, the progress
+display, ``metrics.jsonl`` and ``run.json``. A rank's own side effects of a report (its Ray metrics)
+are :class:`ReportCallback` s run inside the rank. A storage hiccup in a callback is logged and never
+fails the run.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from zeroray.train import state as S
+from zeroray.train.progress import Progress
+from zeroray.train.report import RankStats, Report
+from zeroray.train.storage import RunStorage
+
+logger = logging.getLogger(__name__)
+
+HISTORY_WRITE_INTERVAL_S = 5.0  # metrics.jsonl and run.json while running (object stores rewrite whole files)
+
+
+class ControllerCallback:
+    """Hooks of the driver's controller; the default does nothing."""
+
+    def after_state_change(self, previous: S.ControllerState | None, current: S.ControllerState) -> None:
+        """The controller moved from ``previous`` (None at the start) to ``current``."""
+
+    def after_report(self, report: Report, entry: dict[str, Any]) -> None:
+        """A report of the group arrived; ``entry`` is its row of the metrics history."""
+
+
+class ReportCallback:
+    """Hooks of one rank's ``zt.report``, run in the rank's process after the barrier."""
+
+    def after_report(self, metrics: dict[str, Any], stats: RankStats, num_reports: int) -> None:
+        """This rank's view of the report: rank 0's metrics on rank 0 (else this rank's), its stats."""
+
+
+class HistoryCallback(ControllerCallback):
+    """Keeps every report of this ``fit()`` for the Result."""
+
+    def __init__(self) -> None:
+        self.history: list[dict[str, Any]] = []
+        self.last_metrics: dict[str, Any] | None = None
+
+    def after_report(self, report: Report, entry: dict[str, Any]) -> None:
+        self.history.append(entry)
+        self.last_metrics = dict(report.metrics)
+
+
+class ProgressCallback(ControllerCallback):
+    """Step, loss and samples/s on the progress display."""
+
+    def __init__(self, progress: Progress) -> None:
+        self.progress = progress
+
+    def after_report(self, report: Report, entry: dict[str, Any]) -> None:
+        self.progress.update(report)
+
+    def after_state_change(self, previous: S.ControllerState | None, current: S.ControllerState) -> None:
+        if current.is_terminal:
+            self.progress.close()
+
+
+class MetricsFileCallback(ControllerCallback):
+    """Appends reports to ``metrics.jsonl`` at most every few seconds, on restarts and at the end.
+
+    Entries that could not be written (a full disk) stay pending and are retried; the file only ever
+    grows by whole lines.
+    """
+
+    def __init__(self, storage: RunStorage, interval_s: float = HISTORY_WRITE_INTERVAL_S) -> None:
+        self.storage, self.interval_s = storage, interval_s
+        self.pending: list[dict[str, Any]] = []
+        self._last_write = float("-inf")
+        self.error: str | None = None  # the last write error, for run.json
+
+    def after_report(self, report: Report, entry: dict[str, Any]) -> None:
+        self.pending.append(entry)
+        if time.monotonic() - self._last_write >= self.interval_s:
+            self.flush()
+
+    def after_state_change(self, previous: S.ControllerState | None, current: S.ControllerState) -> None:
+        if current.is_terminal or isinstance(current, S.Restarting):
+            self.flush()
+
+    def flush(self) -> None:
+        self._last_write = time.monotonic()
+        try:
+            self.storage.append_history(self.pending)
+        except Exception as e:
+            self.error = f"{type(e).__name__}: {e}"
+            logger.warning("zeroray: could not append %d report(s) to %s/metrics.jsonl: %s",
+                           len(self.pending), self.storage.url, self.error)
+            return
+        self.pending = []
+        self.error = None
+
+
+class RunInfoCallback(ControllerCallback):
+    """``run.json``: the controller's state, attempts, world size, report count and the error, rewritten
+    atomically on every state change and every few seconds of reports."""
+
+    def __init__(self, storage: RunStorage, metrics_file: MetricsFileCallback | None = None,
+                 interval_s: float = HISTORY_WRITE_INTERVAL_S) -> None:
+        self.storage, self.metrics_file, self.interval_s = storage, metrics_file, interval_s
+        self.info: dict[str, Any] = {"name": storage.name, "status": None, "attempts": 0, "num_workers": None,
+                                     "num_reports": 0, "started_at": time.time(), "updated_at": None, "error": None}
+        self._last_write = float("-inf")
+
+    def after_state_change(self, previous: S.ControllerState | None, current: S.ControllerState) -> None:
+        self.info["status"] = current.type.value
+        if isinstance(current, S.Scheduling):
+            self.info["attempts"] += 1
+            self.info["num_workers"] = current.decision.num_workers
+        if isinstance(current, S.Errored):
+            self.info["error"] = str(current.error)
+        self.write()
+
+    def after_report(self, report: Report, entry: dict[str, Any]) -> None:
+        self.info["num_reports"] += 1
+        if time.monotonic() - self._last_write >= self.interval_s:
+            self.write()
+
+    def write(self) -> None:
+        self._last_write = time.monotonic()
+        self.info["updated_at"] = time.time()
+        self.info["metrics_error"] = self.metrics_file.error if self.metrics_file is not None else None
+        try:
+            self.storage.write_run_info(self.info)
+        except Exception as e:
+            logger.warning("zeroray: could not write %s/run.json: %s: %s", self.storage.url, type(e).__name__, e)

@@ -1,0 +1,58 @@
+"""What one ``zt.report`` carries from the ranks to the driver: each rank's stats and rank 0's metrics.
+
+Built in the ranks (reporting.py), queued by rank 0, polled by the driver and handed to the
+controller's callbacks (history, progress, metrics.jsonl, run.json). ``Report.history_entry`` is the
+one place that turns a report into a row of ``Result.metrics_history`` and ``metrics.jsonl``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class RankStats:
+    """One rank at one report: its engine step (None without ``zt.prepare``), the wall time per
+    optimizer step since its previous report (None at the first), and its memory by category."""
+
+    rank: int
+    global_step: int | None
+    step_time_s: float | None
+    memory: dict[str, int] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class Report:
+    """One report of the whole group: ``index`` counts this group's reports from 1, ``time`` is rank 0's
+    wall clock, ``metrics`` are rank 0's, ``ranks`` every rank's stats in rank order."""
+
+    index: int
+    time: float
+    metrics: dict[str, Any]
+    ranks: tuple[RankStats, ...]
+
+    @property
+    def global_step(self) -> int | None:
+        return self.ranks[0].global_step if self.ranks else None
+
+    @property
+    def slowest_step_time_s(self) -> float | None:
+        times = [r.step_time_s for r in self.ranks if r.step_time_s is not None]
+        return max(times) if times else None
+
+    def history_entry(self, started_at: float, attempt: int) -> dict[str, Any]:
+        """The row of the metrics history: the user's metrics plus zeroray's ``_``-prefixed fields."""
+        return {
+            **self.metrics,
+            "_report": self.index,
+            "_global_step": self.global_step,
+            "_time_s": self.time - started_at,
+            "_step_time_s": self.slowest_step_time_s,
+            "_attempt": attempt,
+            "_ranks": [r.as_dict() for r in self.ranks],
+        }

@@ -1,0 +1,48 @@
+"""The run spec: everything about a ``fit()`` that does not change while it runs, in one frozen value.
+
+``ZeroTrainer.fit`` builds it once from the checked arguments; the controller, the worker group and
+every rank actor read it (the actors get it through one ``ray.put``). Adding a setting means adding a
+field here, not threading a keyword through the controller, the group, the actor and the session.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from zeroray.config import ZeroConfig
+from zeroray.train.config import CheckpointConfig
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One run. ``run_url`` is ``<storage_path>/<name>``; ``pass_config``: the loop takes the config."""
+
+    name: str
+    run_url: str
+    storage_path: str
+    storage_options: dict[str, Any] | None
+    train_fn: Callable[..., Any]
+    train_loop_config: dict[str, Any] | None
+    pass_config: bool
+    zero_config: ZeroConfig
+    use_gpu: bool
+    placement_strategy: str
+    placement_timeout_s: float | None
+    collective_timeout_s: float
+    checkpoint_config: CheckpointConfig
+    samples_per_step: int | None
+    progress_bar: bool | None
+
+    @property
+    def backend(self) -> str:
+        """torch.distributed backend: nccl between GPUs, gloo on CPU."""
+        return "nccl" if self.use_gpu else "gloo"
+
+    def run_loop(self) -> None:
+        """Call the user's loop as it asked to be called (with the config or without)."""
+        if self.pass_config:
+            self.train_fn(self.train_loop_config)
+        else:
+            self.train_fn()
