@@ -87,7 +87,7 @@ def _reported(fn: Callable[[], int]) -> int:
 
     try:
         return fn()
-    except (StorageError, ValueError) as e:  # CheckpointStorageError included
+    except StorageError as e:  # CheckpointStorageError included
         return _fail(str(e))
     except CheckpointError as e:
         print(f"zeroray: {e}", file=sys.stderr)

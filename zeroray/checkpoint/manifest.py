@@ -84,13 +84,6 @@ class SlotEntry:
     shape: list[int]
     offset: int
 
-    @property
-    def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
-
 
 @dataclass
 class GroupEntry:

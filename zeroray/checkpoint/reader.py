@@ -278,7 +278,7 @@ def _check_names(ckpt: CheckpointReader, states: list[GroupShard]) -> None:
         )
 
 
-def raw_section(f: FileEntry, s: SectionEntry) -> tuple[Request, torch.Tensor]:
+def _raw_section(f: FileEntry, s: SectionEntry) -> tuple[Request, torch.Tensor]:
     """A request for a whole section into a fresh byte buffer (view it as ``s.dtype`` afterwards)."""
     buf = torch.empty(s.nbytes, dtype=torch.uint8)
     return Request(f.path, s.offset, buf), buf
@@ -314,14 +314,14 @@ def load(engine: ZeroEngine, url: str, *, storage_options: dict[str, Any] | None
     rng: dict[str, torch.Tensor] = {}
     for f, s in ckpt.sections("rng"):
         if same_world and f.rank == engine.rank:
-            req, rng[s.key] = raw_section(f, s)
+            req, rng[s.key] = _raw_section(f, s)
             requests.append(req)
     buffers = dict(engine.module.named_buffers())
     saved_buffers = []
     for f, s in ckpt.sections("buffer"):
         if s.name not in buffers or s.dtype not in DTYPES:
             raise CheckpointError(f"{url}: buffer {s.name!r} ({s.dtype}) does not fit this model")
-        req, buf = raw_section(f, s)
+        req, buf = _raw_section(f, s)
         requests.append(req)
         saved_buffers.append((s, buf))
 
