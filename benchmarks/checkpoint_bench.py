@@ -91,8 +91,9 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, base: 
     fs, root = open_url(base, options)
     fs.makedirs(f"{root}/plain", exist_ok=True)
     payload = np.random.default_rng(rank).bytes(
-        sum((g.hi - g.lo) * 4 * len(g.tensors) for g in engine.shard_state())
+        sum(t.numel() * t.element_size() for g in engine.shard_state() for t in g.tensors.values())
     )
+    saver = zc.AsyncSaver(engine)
     r: dict[str, list[float]] = {k: [] for k in ("save", "plain_write", "load", "plain_read", "async_stall", "async_total")}
     for rep in range(args.repeats):
         url = zc.checkpoint_url(f"{base}/run", rep)
@@ -103,10 +104,10 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, base: 
         r["plain_read"].append(timed(fs.cat_file, plain))
         dist.barrier()
         t0 = time.perf_counter()
-        zc.save(engine, zc.checkpoint_url(f"{base}/async", rep), async_=True, storage_options=options)
+        saver.save(zc.checkpoint_url(f"{base}/async", rep), storage_options=options)
         r["async_stall"].append(slowest(time.perf_counter() - t0))
         train_step(engine, rank)  # runs while the shards upload
-        zc.wait(engine)
+        saver.wait()
         r["async_total"].append(slowest(time.perf_counter() - t0))
     engine.close()
     reshard = make_engine(args.params, 1)

@@ -1,11 +1,14 @@
 """A real S3 endpoint on loopback for the session: moto in server mode, spoken to over HTTP by s3fs.
 
-Import the fixture into a test module (``from tests.fixtures_s3 import s3  # noqa: F401``).
+Import the fixture into a test module (``from tests.fixtures_s3 import s3  # noqa: F401``). Each
+importing module gets its own instance, and moto's state is global to the process, so every instance
+makes a bucket of its own name.
 """
 
 from __future__ import annotations
 
 import os
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -29,8 +32,9 @@ def s3() -> Iterator[dict[str, Any]]:
     server.start()
     options = {"endpoint_url": f"http://127.0.0.1:{port}", "key": "zeroray-test", "secret": SECRET}
     try:
-        s3fs.S3FileSystem(**options).mkdir("zeroray-test")
-        yield {"bucket": "s3://zeroray-test", "options": options}
+        bucket = f"zeroray-test-{uuid.uuid4().hex[:12]}"
+        s3fs.S3FileSystem(**options).mkdir(bucket)
+        yield {"bucket": f"s3://{bucket}", "options": options}
     finally:
         server.stop()
         for k, v in saved.items():

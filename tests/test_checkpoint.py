@@ -1,17 +1,17 @@
 """Sharded checkpoints: exact round trips for every stage, resharding across world sizes and stages,
 async saves, retention, corruption and planted pickles, export. Real processes with gloo on CPU.
 
-The resharding matrix is built by module fixtures, each one spawn: world 2 saves every stage, world 4
-and world 3 save one more and load from the others, world 1 loads in-process.
+The resharding matrix is :data:`CASES` below, built by module fixtures, each one spawn: world 2 saves
+every stage, world 4 and world 3 save one more and load from the others, world 1 loads in-process.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pickle
 import shutil
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -19,90 +19,52 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import zeroray
 import zeroray.checkpoint as zc
+from tests.checkpoint_helpers import STEPS, assemble, assert_same, make_engine, snapshot, train
 from tests.dist_harness import run_ranks
-from tests.models import TinyLM, batches, param_groups
-from zeroray.engine import ZeroEngine, layout
+from tests.models import batches
 
-STEPS = 3  # optimizer steps before the first save
-
-
-def make_engine(stage: int, seed: int = 0, **model_kw: Any) -> ZeroEngine:
-    """TinyLM with AdamW over two param groups, clipping and a StepLR schedule."""
-    torch.manual_seed(seed)
-    model = TinyLM(**model_kw)
-    cfg = zeroray.ZeroConfig(stage=stage, comm={"reduce_bucket_size": 500}, gradient_clipping=0.5)
-    return zeroray.initialize(
-        model,
-        torch.optim.AdamW(param_groups(model), lr=1e-2),
-        cfg,
-        lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.9),
-    )
-
-
-def train(engine: ZeroEngine, data: list) -> float:
-    loss = torch.tensor(0.0)
-    for x, y in data:
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-    return loss.item()
-
-
-def snapshot(engine: ZeroEngine) -> dict[str, Any]:
-    """Collective: weights, this rank's pieces of every optimizer state, scalars and buffers."""
-    opt: dict[tuple[str, str], list] = defaultdict(list)
-    for gs in engine.shard_state():
-        for p in layout.pieces(gs.slots, gs.lo, gs.hi):
-            for k, t in gs.tensors.items():
-                if k != "weight":
-                    opt[(p.name, k)].append((p.t_lo, p.t_hi, t[p.f_lo - gs.lo : p.f_hi - gs.lo].clone()))
-    meta = engine.state_meta()
-    return {
-        "weights": engine.full_state_dict(),
-        "opt": dict(opt),
-        "meta": {k: meta[k] for k in ("global_step", "optimizer_scalars", "lr_scheduler", "loss_scaler")},
-        "buffers": {n: b.clone() for n, b in engine.module.named_buffers()},
-    }
-
-
-def assemble(snaps: list[dict[str, Any]]) -> dict[str, Any]:
-    """One full state from every rank's snapshot (optimizer pieces put together)."""
-    weights = snaps[0]["weights"]
-    opt: dict[tuple[str, str], torch.Tensor] = {}
-    for s in snaps:
-        for (name, key), pieces in s["opt"].items():
-            flat = opt.setdefault((name, key), torch.full((weights[name].numel(),), float("nan")))
-            for lo, hi, t in pieces:
-                flat[lo:hi] = t
-    return {**snaps[0], "opt": opt}
-
-
-def assert_same(got: dict[str, Any], want: dict[str, Any], what: str) -> None:
-    """Exact equality: a checkpoint round trip must not change a bit."""
-    assert got["meta"] == want["meta"], what
-    for part in ("weights", "opt", "buffers"):
-        assert got[part].keys() == want[part].keys(), (what, part)
-        for k in want[part]:
-            assert torch.equal(got[part][k], want[part][k]), (what, part, k)
-
+# (source world, source stage) -> (destination world, destination stage). A save loaded by the
+# world that wrote it is a round trip; world 1 loads in this process.
+CASES: list[tuple[tuple[int, int], tuple[int, int]]] = [
+    # source   destination
+    ((2, 0), (2, 0)),
+    ((2, 1), (2, 1)),
+    ((2, 2), (2, 2)),
+    ((2, 3), (2, 3)),
+    ((4, 3), (4, 3)),
+    ((3, 1), (3, 1)),
+    ((2, 0), (4, 3)),
+    ((2, 1), (4, 2)),
+    ((2, 2), (4, 1)),
+    ((2, 3), (4, 0)),
+    ((2, 3), (3, 3)),
+    ((4, 3), (3, 2)),
+    ((4, 3), (3, 1)),
+    ((2, 0), (3, 0)),
+    ((4, 3), (1, 0)),
+    ((3, 1), (1, 3)),
+    ((2, 2), (1, 2)),
+]
+SAVES = {world: sorted({s for (w, s), _ in CASES if w == world}) for world in (2, 4, 3)}
 
 def _save_worker(rank: int, world: int, base: str, stages: list[int], loads: list[tuple[str, int]]) -> dict:
     """Train, save (async on odd stages), go on one step, save again, then load into a fresh engine
     and take the same step: same loss, same state. Then load each (checkpoint, stage) of ``loads``."""
     out: dict[Any, Any] = {}
     for stage in stages:
-        async_ = stage % 2 == 1
         run = f"{base}/w{world}s{stage}"
         engine = make_engine(stage)
+        saver = zc.AsyncSaver(engine) if stage % 2 == 1 else None
+        save = saver.save if saver else functools.partial(zc.save, engine)
         data = batches(rank, STEPS + 1)
         train(engine, data[:STEPS])
         before = snapshot(engine)
-        zc.save(engine, zc.checkpoint_url(run, STEPS), async_=async_)
+        save(zc.checkpoint_url(run, STEPS))
         loss = train(engine, data[STEPS:])  # overlaps the async upload
-        zc.save(engine, zc.checkpoint_url(run, STEPS + 1), async_=async_)  # waits for the previous one
-        zc.wait(engine)
+        save(zc.checkpoint_url(run, STEPS + 1))  # waits for the previous one
+        if saver:
+            saver.wait()
         after = snapshot(engine)
         engine.close()
 
@@ -135,21 +97,23 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("ckpt")
 
 
+def _loads(base: Path, world: int) -> list[tuple[str, int]]:
+    return [(_ckpt(base, *src), dst[1]) for src, dst in CASES if dst[0] == world and src[0] != world]
+
+
 @pytest.fixture(scope="module")
 def w2(base: Path) -> list[dict]:
-    return run_ranks(_save_worker, 2, str(base), [0, 1, 2, 3], [])
+    return run_ranks(_save_worker, 2, str(base), SAVES[2], _loads(base, 2))
 
 
 @pytest.fixture(scope="module")
 def w4(base: Path, w2: list[dict]) -> list[dict]:
-    loads = [(_ckpt(base, 2, 0), 3), (_ckpt(base, 2, 1), 2), (_ckpt(base, 2, 2), 1), (_ckpt(base, 2, 3), 0)]
-    return run_ranks(_save_worker, 4, str(base), [3], loads)
+    return run_ranks(_save_worker, 4, str(base), SAVES[4], _loads(base, 4))
 
 
 @pytest.fixture(scope="module")
 def w3(base: Path, w2: list[dict], w4: list[dict]) -> list[dict]:
-    loads = [(_ckpt(base, 2, 3), 3), (_ckpt(base, 4, 3), 2), (_ckpt(base, 4, 3), 1), (_ckpt(base, 2, 0), 0)]
-    return run_ranks(_save_worker, 3, str(base), [1], loads)
+    return run_ranks(_save_worker, 3, str(base), SAVES[3], _loads(base, 3))
 
 
 def expected(results: list[dict], stage: int, when: str = "before") -> dict[str, Any]:
@@ -167,24 +131,24 @@ def test_round_trip_every_stage(w2: list[dict]) -> None:
         assert_same(assemble([r[stage]["continued"] for r in w2]), expected(w2, stage, "after"), f"stage {stage}")
 
 
-def test_resharding_matrix(base: Path, w2: list[dict], w4: list[dict], w3: list[dict]) -> None:
-    # world 4 and world 3 round trips of what they saved themselves
-    for results, stage in ((w4, 3), (w3, 1)):
-        assert_same(assemble([r[stage]["loaded"] for r in results]), expected(results, stage), "own")
-    sources = {(2, s): expected(w2, s) for s in range(4)} | {(4, 3): expected(w4, 3), (3, 1): expected(w3, 1)}
-    for results, world in ((w4, 4), (w3, 3)):
-        for key in results[0]:
-            if isinstance(key, tuple):
-                url, stage = key
-                src = next(k for k in sources if _ckpt(base, *k) == url)
-                assert_same(assemble([r[key] for r in results]), sources[src], f"{src} -> world {world} stage {stage}")
-    # world 1, in this process: 4 -> 1 and 3 -> 1
-    for src, stage in (((4, 3), 0), ((3, 1), 3), ((2, 2), 2)):
-        engine = make_engine(stage, seed=3)
-        manifest = zc.load(engine, _ckpt(base, *src))
-        assert (manifest["world_size"], manifest["stage"]) == src
-        assert_same(assemble([snapshot(engine)]), sources[src], f"{src} -> world 1 stage {stage}")
+@pytest.mark.parametrize(("src", "dst"), CASES, ids=[f"w{a}s{b}->w{c}s{d}" for (a, b), (c, d) in CASES])
+def test_resharding_matrix(
+    src: tuple[int, int], dst: tuple[int, int], base: Path, w2: list[dict], w4: list[dict], w3: list[dict]
+) -> None:
+    by_world = {2: w2, 4: w4, 3: w3}
+    want = expected(by_world[src[0]], src[1])
+    url = _ckpt(base, *src)
+    if src == dst:  # the saving world's own round trip
+        got = assemble([r[src[1]]["loaded"] for r in by_world[src[0]]])
+    elif dst[0] == 1:  # in this process
+        engine = make_engine(dst[1], seed=3)
+        manifest = zc.load(engine, url)
+        assert (manifest.world_size, manifest.stage) == src
+        got = assemble([snapshot(engine)])
         engine.close()
+    else:
+        got = assemble([r[(url, dst[1])] for r in by_world[dst[0]]])
+    assert_same(got, want, f"{src} -> {dst}")
 
 
 def test_async_saves_in_a_row_and_listing(base: Path, w2: list[dict]) -> None:

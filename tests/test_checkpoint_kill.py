@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 
 import zeroray.checkpoint as zc
+from tests.checkpoint_helpers import make_engine, train
 from tests.models import batches
-from tests.test_checkpoint import make_engine, train
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = {"vocab": 4000, "d": 384}  # ~4.6M parameters: ~55 MB per save with Adam's states
@@ -22,7 +22,7 @@ import sys
 sys.path.insert(0, {str(REPO)!r})
 import zeroray.checkpoint as zc
 from tests.models import batches
-from tests.test_checkpoint import make_engine, train
+from tests.checkpoint_helpers import make_engine, train
 engine = make_engine(2, **{MODEL!r})
 for step in (1, 2):
     train(engine, batches(0, 1, vocab={MODEL['vocab']}))

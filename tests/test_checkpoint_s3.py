@@ -11,19 +11,20 @@ import torch
 from safetensors.torch import load_file
 
 import zeroray.checkpoint as zc
+from tests.checkpoint_helpers import assemble, assert_same, make_engine, snapshot, train
 from tests.dist_harness import run_ranks
 from tests.fixtures_s3 import SECRET, s3  # noqa: F401
 from tests.models import batches
-from tests.test_checkpoint import assemble, assert_same, make_engine, snapshot, train
 
 
 def _worker(rank: int, world: int, run: str, options: dict[str, Any]) -> dict:
     engine = make_engine(3)
     train(engine, batches(rank, 2))
     saved = snapshot(engine)
-    zc.save(engine, zc.checkpoint_url(run, 2), async_=True, storage_options=options)
+    saver = zc.AsyncSaver(engine)
+    saver.save(zc.checkpoint_url(run, 2), storage_options=options)
     train(engine, batches(rank + 10, 1))
-    zc.wait(engine)
+    saver.wait()
     engine.close()
     fresh = make_engine(2, seed=1)
     zc.load(fresh, zc.latest_committed(run, options), storage_options=options)

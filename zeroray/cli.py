@@ -1,25 +1,97 @@
 """The ``zeroray`` command. Each subcommand is a pair: ``_add_<name>(subparsers)`` declares its
-arguments, ``cmd_<name>(args)`` runs it and returns the exit status."""
+arguments, ``cmd_<name>(args)`` runs it and returns the exit status. All printing of the command
+lives here; the library packages only return values and raise.
+
+Exit status: 0 success; 1 a checkpoint is bad (not committed, damaged, fails ``--verify``);
+2 a usage error — a bad argument value, a path that does not exist or is the wrong kind, storage
+that cannot be opened or read (no credentials, unreachable) — reported as one line on stderr,
+never a traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
+import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
 
 _SUFFIXES = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
 _GIB = 1024**3
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
 def parse_count(text: str) -> float:
-    """``70e9``, ``7B``, ``125M`` or ``350k`` as a number, so sizes read as people write them."""
+    """``70e9``, ``7B``, ``125M`` or ``350k`` as a positive finite number, so sizes read as people write them."""
     s = text.strip().lower()
     try:
-        if s and s[-1] in _SUFFIXES:
-            return float(s[:-1]) * _SUFFIXES[s[-1]]
-        return float(s)
+        n = float(s[:-1]) * _SUFFIXES[s[-1]] if s and s[-1] in _SUFFIXES else float(s)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a parameter count: {text!r} (e.g. 70e9, 7B, 125M)") from None
+    if not math.isfinite(n) or n < 1:
+        raise argparse.ArgumentTypeError(f"parameter count must be a finite number >= 1, got {text!r}")
+    return n
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1 (world sizes)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
+def parse_size(text: str) -> int:
+    """``5GB``, ``500MiB`` or ``123456`` as a positive number of bytes, the way Hugging Face writes shard sizes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if m is None or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 5GB, 500MiB)")
+    n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"size must be at least 1 byte, got {text!r}")
+    return n
+
+
+def parse_storage_option(pair: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` for fsspec (the value as JSON when it parses, else a string)."""
+    key, sep, value = pair.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"storage option {pair!r} is not KEY=VALUE")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a usage error as one line on stderr (exit 2) instead of usage plus message."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _fail(message: str) -> int:
+    print(f"zeroray: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _reported(fn: Callable[[], int]) -> int:
+    """Run a command: a bad argument or unusable storage is exit 2, a bad checkpoint exit 1, one line each."""
+    from zeroray.checkpoint import CheckpointError
+    from zeroray.storage import StorageError
+
+    try:
+        return fn()
+    except StorageError as e:  # CheckpointStorageError included
+        return _fail(str(e))
+    except CheckpointError as e:
+        print(f"zeroray: {e}", file=sys.stderr)
+        return 1
 
 
 def _add_estimate(sub: argparse._SubParsersAction) -> None:
@@ -29,7 +101,7 @@ def _add_estimate(sub: argparse._SubParsersAction) -> None:
         description="Per-rank bytes of parameters, gradients and optimizer states (ZeRO paper formulas).",
     )
     p.add_argument("--params", type=parse_count, required=True, help="parameter count, e.g. 70e9 or 7B")
-    p.add_argument("--world-size", type=int, required=True, help="data-parallel ranks")
+    p.add_argument("--world-size", type=positive_int, required=True, help="data-parallel ranks")
     p.add_argument("--stage", type=int, choices=(0, 1, 2, 3), help="one stage (default: all)")
     p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
     p.add_argument(
@@ -40,11 +112,22 @@ def _add_estimate(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--optimizer-bytes",
-        type=int,
+        type=_non_negative_int,
         default=None,
         help="optimizer bytes per parameter (default: Adam, 8 in fp32, 12 mixed)",
     )
     p.set_defaults(func=cmd_estimate)
+
+
+def _non_negative_int(text: str) -> int:
+    """An integer >= 0 (bytes per parameter)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {n}")
+    return n
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
@@ -73,6 +156,7 @@ def _add_storage_options(p: argparse.ArgumentParser) -> None:
         "-o",
         "--storage-option",
         action="append",
+        type=parse_storage_option,
         default=[],
         metavar="KEY=VALUE",
         help="fsspec storage option, e.g. endpoint_url=http://... (credentials: from the environment)",
@@ -91,10 +175,56 @@ def _add_ls(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_ls)
 
 
-def cmd_ls(args: argparse.Namespace) -> int:
-    from zeroray.checkpoint.commands import ls, parse_storage_options
+def _human(n: int) -> str:
+    units, x, i = ("B", "KiB", "MiB", "GiB", "TiB"), float(n), 0
+    while x >= 1024 and i < len(units) - 1:
+        x, i = x / 1024, i + 1
+    return f"{x:.1f} {units[i]}" if i else f"{n} B"
 
-    return ls(args.run_url, verify=args.verify, storage_options=parse_storage_options(args.storage_option))
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    """Print the run's checkpoints; a broken one (torn manifest, missing or short rank file) is shown
+    as such with its reason and the rest are listed. With ``--verify`` every committed one is read
+    and checked. Exit 1 if any is broken or fails the check."""
+    return _reported(lambda: _ls(args.run_url, args.verify, dict(args.storage_option)))
+
+
+def _ls(run_url: str, verify: bool, options: dict[str, Any]) -> int:
+    from zeroray.checkpoint import CheckpointError, CheckpointReader, list_checkpoints
+    from zeroray.checkpoint.storage import open_url
+
+    fs, path = open_url(run_url, options)
+    try:
+        exists = fs.exists(path)
+    except Exception as e:  # no credentials, unreachable endpoint
+        return _fail(f"cannot read {run_url}: {type(e).__name__}: {e}")
+    if not exists:
+        return _fail(f"{run_url} does not exist")
+    rows = [("step", "committed", "world", "stage", "size", *(("check",) if verify else ()), "url")]
+    bad = 0
+    for c in list_checkpoints(run_url, options):
+        state = "yes" if c.committed else "broken" if c.broken else "no"
+        row = [str(c.step), state, str(c.world_size or "-"), str(c.stage if c.committed else "-"), _human(c.size_bytes)]
+        if verify:
+            status = "-"
+            if c.committed:
+                try:
+                    CheckpointReader(c.url, options).verify()
+                    status = "ok"
+                except CheckpointError as e:
+                    status, bad = f"BAD: {e}", bad + 1
+            row.append(status)
+        url = c.url
+        if c.broken:
+            url, bad = f"{c.url}  ({c.broken})", bad + 1
+        rows.append((*row, url))
+    if len(rows) == 1:
+        print(f"no checkpoints under {run_url}")
+        return 0
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    for r in rows:
+        print("  ".join(f"{v:<{w}}" for v, w in zip(r, widths)) + "  " + r[-1])
+    return 1 if bad else 0
 
 
 def _add_export(sub: argparse._SubParsersAction) -> None:
@@ -107,29 +237,34 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
     p.add_argument("checkpoint_url", help="a committed checkpoint directory (any fsspec URL)")
     p.add_argument("out_dir", help="where to write the files")
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None, help="cast floating tensors (default: as saved)")
-    p.add_argument("--max-shard-size", default="5GB", help="largest output file, e.g. 5GB or 500MiB")
+    p.add_argument("--max-shard-size", type=parse_size, default="5GB", help="largest output file, e.g. 5GB or 500MiB")
     _add_storage_options(p)
     p.set_defaults(func=cmd_export)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from zeroray.checkpoint.commands import export_command, parse_storage_options
+    """Export and print the files written."""
+    from zeroray.checkpoint import export
 
-    return export_command(
-        args.checkpoint_url,
-        args.out_dir,
-        dtype=args.dtype,
-        max_shard_size=args.max_shard_size,
-        storage_options=parse_storage_options(args.storage_option),
-    )
+    def run() -> int:
+        options = dict(args.storage_option)
+        files = export(
+            args.checkpoint_url, args.out_dir, dtype=args.dtype, max_shard_bytes=args.max_shard_size,
+            storage_options=options,
+        )
+        for name in files:
+            print(name)
+        return 0
+
+    return _reported(run)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with every subcommand registered."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="zeroray", description="ZeRO stages 0-3 for PyTorch, native to Ray."
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_estimate(sub)
     _add_ls(sub)
     _add_export(sub)

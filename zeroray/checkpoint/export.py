@@ -5,6 +5,10 @@
 of one output file are read from the rank files (verified range reads), cast, and streamed out in
 the safetensors format (8-byte header length, JSON header, raw data), so memory stays near one
 output file.
+
+The files are written into a temporary directory next to ``out_dir`` and moved into place at the
+end, so a failed export leaves nothing behind and re-exporting into the same directory leaves no
+stale shards of the previous export.
 """
 
 from __future__ import annotations
@@ -12,16 +16,28 @@ from __future__ import annotations
 import json
 import math
 import posixpath
+import re
 import struct
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from fsspec import AbstractFileSystem
 
-from zeroray.checkpoint.reader import DTYPES, Checkpoint, Request
+from zeroray.checkpoint.manifest import (
+    DTYPES,
+    CheckpointStorageError,
+    FileEntry,
+    GroupEntry,
+    SectionEntry,
+    SlotEntry,
+)
+from zeroray.checkpoint.reader import CheckpointReader, Request
 from zeroray.checkpoint.storage import open_url
 
 INDEX = "model.safetensors.index.json"
+_OURS = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$|^" + re.escape(INDEX) + "$")
 _ST = {
     torch.float32: "F32",
     torch.bfloat16: "BF16",
@@ -45,7 +61,7 @@ class _Item:
     shape: tuple[int, ...]
     saved: torch.dtype
     out: torch.dtype
-    source: tuple[dict[str, Any], dict[str, Any]]  # (group, slot) of a parameter, (file, section) of a buffer
+    source: tuple[GroupEntry, SlotEntry] | tuple[FileEntry, SectionEntry]
     is_param: bool
 
     @property
@@ -53,15 +69,15 @@ class _Item:
         return math.prod(self.shape) * self.out.itemsize
 
 
-def _items(ckpt: Checkpoint, dtype: torch.dtype | None) -> list[_Item]:
-    items = [
-        _Item(name, tuple(slot["shape"]), torch.float32, dtype or torch.float32, (group, slot), True)
-        for name, (group, slot) in ckpt.params.items()
-    ]
+def _items(ckpt: CheckpointReader, dtype: torch.dtype | None) -> list[_Item]:
+    items = []
+    for name, (group, slot) in ckpt.params.items():
+        saved = DTYPES[group.dtype]
+        items.append(_Item(name, tuple(slot.shape), saved, dtype or saved, (group, slot), True))
     for f, s in ckpt.sections("buffer"):
-        saved = DTYPES[s["dtype"]]
+        saved = DTYPES[s.dtype]
         out = dtype if dtype is not None and saved.is_floating_point else saved
-        items.append(_Item(s["name"], tuple(s["shape"]), saved, out, (f, s), False))
+        items.append(_Item(s.name, tuple(s.shape), saved, out, (f, s), False))
     return items
 
 
@@ -78,18 +94,18 @@ def _plan(items: list[_Item], max_shard_bytes: int) -> list[list[_Item]]:
     return shards
 
 
-def _fetch(ckpt: Checkpoint, items: list[_Item]) -> list[torch.Tensor]:
+def _fetch(ckpt: CheckpointReader, items: list[_Item]) -> list[torch.Tensor]:
     """Read the tensors of one output file in one pass (shared chunks are read once)."""
     out, requests = [], []
     for it in items:
         if it.is_param:
             group, slot = it.source
-            t = torch.empty(math.prod(it.shape), dtype=torch.float32)
-            requests += ckpt.flat_requests(group, "weight", slot["offset"], slot["offset"] + t.numel(), t)
+            t = torch.empty(math.prod(it.shape), dtype=it.saved)
+            requests += ckpt.flat_requests(group, "weight", slot.offset, slot.offset + t.numel(), t)
         else:
             f, s = it.source
-            t = torch.empty(s["nbytes"], dtype=torch.uint8)
-            requests.append(Request(f["path"], s["offset"], t))
+            t = torch.empty(s.nbytes, dtype=torch.uint8)
+            requests.append(Request(f.path, s.offset, t))
             t = t.view(it.saved)
         out.append(t)
     ckpt.read(requests)
@@ -107,26 +123,21 @@ def _header(items: list[_Item]) -> bytes:
     return struct.pack("<Q", len(raw)) + raw
 
 
-def export(
-    checkpoint_url: str,
-    out_dir: str,
-    *,
-    dtype: str | None = None,
-    max_shard_bytes: int = 5 * 10**9,
-    storage_options: dict[str, Any] | None = None,
-    out_storage_options: dict[str, Any] | None = None,
-) -> list[str]:
-    """Write the checkpoint's weights (and persistent buffers) as safetensors files plus an index.
+def _check_target(fs: AbstractFileSystem, root: str, out_dir: str) -> None:
+    """Refuse, before any work, a target that is a file or a directory holding anything but an export."""
+    if not fs.exists(root):
+        return
+    if not fs.isdir(root):
+        raise CheckpointStorageError(f"export target {out_dir} is a file, not a directory")
+    foreign = sorted(n for n in (posixpath.basename(p) for p in fs.ls(root, detail=False)) if not _OURS.match(n))
+    if foreign:
+        raise CheckpointStorageError(
+            f"export target {out_dir} holds files that are not an export ({', '.join(foreign[:3])}"
+            f"{', ...' if len(foreign) > 3 else ''}); export into a new or empty directory"
+        )
 
-    ``dtype``: "fp32" (default, as saved), "bf16" or "fp16" for floating tensors. Returns the files
-    written, index last.
-    """
-    if dtype is not None and dtype not in EXPORT_DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(EXPORT_DTYPES)}, got {dtype!r}")
-    ckpt = Checkpoint(checkpoint_url, storage_options)
-    shards = _plan(_items(ckpt, EXPORT_DTYPES.get(dtype)), max_shard_bytes)
-    fs, root = open_url(out_dir, out_storage_options)
-    fs.makedirs(root, exist_ok=True)
+
+def _write(ckpt: CheckpointReader, shards: list[list[_Item]], fs: AbstractFileSystem, root: str) -> list[str]:
     weight_map, written = {}, []
     for i, items in enumerate(shards):
         name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
@@ -140,3 +151,46 @@ def export(
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     fs.pipe_file(posixpath.join(root, INDEX), json.dumps(index, indent=2).encode())
     return [*written, INDEX]
+
+
+def export(
+    checkpoint_url: str,
+    out_dir: str,
+    *,
+    dtype: str | None = None,
+    max_shard_bytes: int = 5 * 10**9,
+    storage_options: dict[str, Any] | None = None,
+    out_storage_options: dict[str, Any] | None = None,
+) -> list[str]:
+    """Write the checkpoint's weights (and persistent buffers) as safetensors files plus an index.
+
+    ``dtype``: "fp32" (default, as saved), "bf16" or "fp16" for floating tensors. ``out_dir`` is
+    replaced as a whole (it must be new, empty, or a previous export). Returns the files written,
+    index last.
+    """
+    if dtype is not None and dtype not in EXPORT_DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(EXPORT_DTYPES)}, got {dtype!r}")
+    if max_shard_bytes < 1:
+        raise ValueError(f"max_shard_bytes must be >= 1, got {max_shard_bytes}")
+    fs, root = open_url(out_dir, out_storage_options)
+    root = root.rstrip("/")
+    _check_target(fs, root, out_dir)
+    ckpt = CheckpointReader(checkpoint_url, storage_options)
+    shards = _plan(_items(ckpt, EXPORT_DTYPES.get(dtype)), max_shard_bytes)
+    tag = uuid.uuid4().hex[:12]
+    tmp, old = f"{root}.tmp-{tag}", f"{root}.old-{tag}"
+    try:
+        fs.makedirs(tmp, exist_ok=True)
+        files = _write(ckpt, shards, fs, tmp)
+        if fs.exists(root):
+            fs.mv(root, old, recursive=True)
+        fs.mv(tmp, root, recursive=True)
+    except BaseException:
+        if fs.exists(tmp):
+            fs.rm(tmp, recursive=True)
+        if fs.exists(old) and not fs.exists(root):  # put the previous export back
+            fs.mv(old, root, recursive=True)
+        raise
+    if fs.exists(old):
+        fs.rm(old, recursive=True)
+    return files

@@ -4,15 +4,18 @@ For every flat group of *this* engine, :func:`zeroray.engine.layout.pieces` says
 (and which elements of them) this rank's range covers; the manifest says where each parameter lies
 in the group that *saved* it, and :func:`zeroray.engine.layout.owners` which saved rank's section
 holds those elements. That gives byte ranges of the rank files; they are widened to whole 4 MiB
-chunks, read with fsspec range reads (concurrent on object stores), checked against the manifest's
-chunk checksums, and copied into place. Nothing is unpickled: the manifest is JSON, tensors are
-raw little-endian numbers.
+chunks (the unit of the checksums) and merged into runs of at most 64 MiB, four runs in flight at
+once in threads. On a local disk a run is read with one ``os.preadv`` straight into the destination
+tensors (bytes nobody asked for go to a scratch buffer), then its chunks are checksummed from those
+same buffers — no intermediate copy; elsewhere (object stores) a run is one range request, verified,
+then copied into place. Nothing is unpickled: the manifest is JSON, tensors are raw little-endian
+numbers.
 """
 
 from __future__ import annotations
 
+import os
 import posixpath
-from bisect import bisect_right
 from collections import defaultdict, deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -22,18 +25,27 @@ from typing import Any
 
 import numpy as np
 import torch
+from fsspec.implementations.local import LocalFileSystem
 
-from zeroray.checkpoint.manifest import CheckpointError, verify_chunks
+from zeroray.checkpoint.manifest import (
+    DTYPES,
+    CheckpointError,
+    FileEntry,
+    GroupEntry,
+    Manifest,
+    SectionEntry,
+    SlotEntry,
+    check_chunk,
+    checksum,
+    itemsize,
+    verify_chunks,
+)
 from zeroray.checkpoint.storage import join_url, open_url, read_manifest
-from zeroray.checkpoint.writer import wait
 from zeroray.engine import GroupShard, ZeroEngine, layout
 
 _MAX_RUN = 64 << 20  # bytes per range read
 _INFLIGHT = 4  # range reads in flight at once
-DTYPES = {
-    name: getattr(torch, name)
-    for name in ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
-}
+_IOV_MAX = 1024  # buffers per preadv call (Linux's IOV_MAX)
 
 
 @dataclass(frozen=True)
@@ -49,109 +61,200 @@ class Request:
         return self.offset + self.dest.numel() * self.dest.element_size()
 
 
-class Checkpoint:
-    """A committed checkpoint with a checked manifest, and verified range reads of its files."""
+@dataclass(frozen=True)
+class _Run:
+    """Chunks ``[first, last)`` of a file and the requests that overlap them (sorted by offset)."""
+
+    entry: FileEntry
+    first: int
+    last: int
+    requests: tuple[Request, ...]
+
+    @property
+    def start(self) -> int:
+        return self.first * self.entry.chunk_bytes
+
+    @property
+    def stop(self) -> int:
+        return min(self.last * self.entry.chunk_bytes, self.entry.size)
+
+
+class CheckpointReader:
+    """A committed checkpoint with a checked manifest, and verified range reads of its files.
+
+    (Named apart from ``zeroray.train.Checkpoint``, the trainer's handle on a checkpoint's URL.)"""
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None):
         self.url = url
         self.fs, self.path = open_url(url, storage_options)
-        self.manifest = read_manifest(self.fs, self.path, url)
-        self.files = {f["path"]: f for f in self.manifest["files"]}
-        self.params: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
-            s["name"]: (g, s) for g in self.manifest["groups"] for s in g["slots"]
+        self.manifest: Manifest = read_manifest(self.fs, self.path, url)
+        self.files = {f.path: f for f in self.manifest.files}
+        self.params: dict[str, tuple[GroupEntry, SlotEntry]] = {
+            s.name: (g, s) for g in self.manifest.groups for s in g.slots
         }
         self._where = {
-            (s["group"], s["key"], s["shard"]): (f["path"], s["offset"])
-            for f in self.manifest["files"]
-            for s in f["sections"]
-            if s["kind"] == "shard"
+            (s.group, s.key, s.shard): (f.path, s.offset) for f, s in self.manifest.sections("shard")
         }
+        self._local = isinstance(self.fs, LocalFileSystem)
 
-    def sections(self, kind: str) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
+    def sections(self, kind: str) -> Iterator[tuple[FileEntry, SectionEntry]]:
         """(file entry, section entry) of every section of ``kind`` ("rng", "buffer")."""
-        for f in self.manifest["files"]:
-            for s in f["sections"]:
-                if s["kind"] == kind:
-                    yield f, s
+        return self.manifest.sections(kind)
 
-    def flat_requests(self, group: dict[str, Any], key: str, lo: int, hi: int, dest: torch.Tensor) -> list[Request]:
-        """Reads that fill ``dest`` (fp32, ``hi - lo`` elements) with ``[lo, hi)`` of a saved group."""
-        out = []
-        for rank, llo, lhi in layout.owners(group["numel"], group["shard_world"], lo, hi):
-            start = layout.shard_range(group["numel"], group["shard_world"], rank)[0] + llo
-            file, offset = self._where[(group["name"], key, rank)]
-            out.append(Request(file, offset + 4 * llo, dest[start - lo : start - lo + lhi - llo]))
+    def flat_requests(self, group: GroupEntry, key: str, lo: int, hi: int, dest: torch.Tensor) -> list[Request]:
+        """Reads that fill ``dest`` (``hi - lo`` elements of the group's dtype) with ``[lo, hi)`` of a saved group."""
+        if dest.dtype != DTYPES[group.dtype]:
+            raise CheckpointError(f"{self.url}: group {group.name} was saved as {group.dtype}, not {dest.dtype}")
+        size, out = itemsize(group.dtype), []
+        for rank, llo, lhi in layout.owners(group.numel, group.shard_world, lo, hi):
+            start = layout.shard_range(group.numel, group.shard_world, rank)[0] + llo
+            file, offset = self._where[(group.name, key, rank)]
+            out.append(Request(file, offset + size * llo, dest[start - lo : start - lo + lhi - llo]))
         return out
 
     def read(self, requests: list[Request]) -> None:
-        """Serve ``requests``: whole chunks are read, verified, then copied into place."""
+        """Serve ``requests``: the whole chunks they touch are read, verified and put in place."""
         by_file: dict[str, list[Request]] = defaultdict(list)
         for r in requests:
             by_file[r.file].append(r)
         runs = []
         for name, reqs in by_file.items():
             reqs.sort(key=lambda r: r.offset)
-            c = self.files[name]["chunk_bytes"]
-            runs += _runs(self.files[name], sorted({k for r in reqs for k in range(r.offset // c, -(-r.end // c))}))
-        ends = {name: [r.end for r in reqs] for name, reqs in by_file.items()}
-        for entry, start, data in self._verified_runs(runs):
-            reqs, stop = by_file[entry["path"]], start + len(data)
-            for r in reqs[bisect_right(ends[entry["path"]], start) :]:
-                if r.offset >= stop:
-                    break
-                a, b = max(r.offset, start), min(r.end, stop)
-                dest = r.dest.view(torch.uint8).numpy()
-                dest[a - r.offset : b - r.offset] = np.frombuffer(data, np.uint8, b - a, a - start)
+            entry = self.files[name]
+            c = entry.chunk_bytes
+            chunks = sorted({k for r in reqs for k in range(r.offset // c, -(-r.end // c))})
+            runs += _runs(entry, chunks, reqs)
+        for _ in self._done(runs):
+            pass
 
     def verify(self) -> None:
         """Read every file whole and check every chunk (``zeroray ls --verify``)."""
-        runs = [run for e in self.manifest["files"] for run in _runs(e, range(-(-e["size"] // e["chunk_bytes"])))]
-        for _ in self._verified_runs(runs):
+        runs = [run for e in self.manifest.files for run in _runs(e, range(e.num_chunks), [])]
+        for _ in self._done(runs):
             pass
 
-    def _fetch(self, entry: dict[str, Any], first: int, last: int) -> tuple[dict[str, Any], int, bytes]:
-        """Chunks ``[first, last)`` of a file, checked against the manifest."""
-        c, furl = entry["chunk_bytes"], join_url(self.url, entry["path"])
-        start, stop = first * c, min(last * c, entry["size"])
-        try:
-            data = self.fs.cat_file(posixpath.join(self.path, entry["path"]), start=start, end=stop)
-        except Exception as e:
-            raise CheckpointError(f"cannot read {furl}: {type(e).__name__}: {e}") from e
-        if len(data) != stop - start:
-            raise CheckpointError(f"{furl} is shorter than the manifest says ({entry['size']} bytes)")
-        verify_chunks(data, entry, first, furl)
-        return entry, start, data
-
-    def _verified_runs(self, runs: list[tuple[dict[str, Any], int, int]]) -> Iterator[tuple[dict[str, Any], int, bytes]]:
-        """(file entry, offset, bytes) of each run, in order; up to _INFLIGHT runs are read and
-        verified ahead in threads (fsspec range reads; concurrent requests on object stores)."""
+    def _done(self, runs: list[_Run]) -> Iterator[_Run]:
+        """Serve each run in a thread, up to _INFLIGHT at once (reading one overlaps checking another)."""
         with ThreadPoolExecutor(_INFLIGHT) as pool:
             todo = iter(runs)
-            pending = deque(pool.submit(self._fetch, *run) for run in islice(todo, _INFLIGHT))
+            pending = deque(pool.submit(self._serve, run) for run in islice(todo, _INFLIGHT))
             while pending:
                 done = pending.popleft().result()
                 for run in islice(todo, 1):
-                    pending.append(pool.submit(self._fetch, *run))
+                    pending.append(pool.submit(self._serve, run))
                 yield done
 
+    def _serve(self, run: _Run) -> _Run:
+        furl = join_url(self.url, run.entry.path)
+        try:
+            if self._local:
+                self._preadv(run, furl)
+            else:
+                self._cat(run, furl)
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise CheckpointError(f"cannot read {furl}: {type(e).__name__}: {e}") from e
+        return run
 
-def _runs(entry: dict[str, Any], chunks: Iterable[int]) -> list[tuple[dict[str, Any], int, int]]:
-    """Sorted chunk numbers as (entry, first, last) runs of consecutive chunks, each <= _MAX_RUN bytes."""
-    runs: list[list[int]] = []
+    def _cat(self, run: _Run, furl: str) -> None:
+        """Object stores: one range request, verified, then copied into the destinations."""
+        data = self.fs.cat_file(posixpath.join(self.path, run.entry.path), start=run.start, end=run.stop)
+        if len(data) != run.stop - run.start:
+            raise CheckpointError(f"{furl} is shorter than the manifest says ({run.entry.size} bytes)")
+        verify_chunks(data, run.entry, run.first, furl)
+        src = memoryview(data)
+        for lo, hi, dest in _segments(run):
+            dest[:] = src[lo - run.start : hi - run.start]
+
+    def _preadv(self, run: _Run, furl: str) -> None:
+        """Local disk: read the run straight into the destinations (gaps into scratch), then check
+        its chunks from those buffers."""
+        segments = _segments(run)
+        if any(a[1] > b[0] for a, b in zip(segments, segments[1:])):  # requests sharing bytes
+            return self._cat(run, furl)
+        gaps, pos = [], run.start
+        for lo, hi, _ in segments:
+            if lo > pos:
+                gaps.append((pos, lo))
+            pos = hi
+        if pos < run.stop:
+            gaps.append((pos, run.stop))
+        scratch = np.empty(sum(hi - lo for lo, hi in gaps), np.uint8)
+        s = 0
+        for lo, hi in gaps:
+            segments.append((lo, hi, memoryview(scratch[s : s + hi - lo])))
+            s += hi - lo
+        segments.sort(key=lambda seg: seg[0])
+        fd = os.open(self.fs._strip_protocol(posixpath.join(self.path, run.entry.path)), os.O_RDONLY)
+        try:
+            for i in range(0, len(segments), _IOV_MAX):
+                batch = segments[i : i + _IOV_MAX]
+                want = batch[-1][1] - batch[0][0]
+                if os.preadv(fd, [seg[2] for seg in batch], batch[0][0]) != want:
+                    raise CheckpointError(f"{furl} is shorter than the manifest says ({run.entry.size} bytes)")
+        finally:
+            os.close(fd)
+        _check(run, segments, furl)
+
+
+def _segments(run: _Run) -> list[tuple[int, int, memoryview]]:
+    """(file lo, file hi, destination bytes) of every request's part inside the run, in file order."""
+    out = []
+    for r in run.requests:
+        lo, hi = max(r.offset, run.start), min(r.end, run.stop)
+        if lo < hi:
+            dest = memoryview(r.dest.view(torch.uint8).numpy())
+            out.append((lo, hi, dest[lo - r.offset : hi - r.offset]))
+    return out
+
+
+def _check(run: _Run, segments: list[tuple[int, int, memoryview]], furl: str) -> None:
+    """Checksum each chunk of the run over the (file-ordered, gap-free) buffers that hold it."""
+    fn, c, entry = checksum(run.entry, furl), run.entry.chunk_bytes, run.entry
+    i = 0
+    for k in range(run.first, run.last):
+        lo, hi, crc = k * c, min((k + 1) * c, entry.size), 0
+        while i < len(segments) and segments[i][0] < hi:
+            slo, shi, buf = segments[i]
+            a, b = max(slo, lo), min(shi, hi)
+            crc = fn(buf[a - slo : b - slo], crc)
+            if shi <= hi:
+                i += 1
+            else:
+                break
+        check_chunk(crc, entry, k, furl)
+
+
+def _runs(entry: FileEntry, chunks: Iterable[int], requests: list[Request]) -> list[_Run]:
+    """Sorted chunk numbers as runs of consecutive chunks, each <= _MAX_RUN bytes, with the
+    (offset-sorted) requests that overlap each."""
+    spans: list[list[int]] = []
     for k in chunks:
-        if runs and k == runs[-1][1] and (k - runs[-1][0]) * entry["chunk_bytes"] < _MAX_RUN:
-            runs[-1][1] = k + 1
+        if spans and k == spans[-1][1] and (k - spans[-1][0]) * entry.chunk_bytes < _MAX_RUN:
+            spans[-1][1] = k + 1
         else:
-            runs.append([k, k + 1])
-    return [(entry, a, b) for a, b in runs]
+            spans.append([k, k + 1])
+    out, j, c = [], 0, entry.chunk_bytes
+    for a, b in spans:
+        start, stop = a * c, b * c
+        while j < len(requests) and requests[j].end <= start:
+            j += 1
+        mine, i = [], j
+        while i < len(requests) and requests[i].offset < stop:
+            if requests[i].end > start:
+                mine.append(requests[i])
+            i += 1
+        out.append(_Run(entry, a, b, tuple(mine)))
+    return out
 
 
-def _keys(ckpt: Checkpoint, slots: list[layout.TensorSlot], trainable: bool) -> list[str]:
+def _keys(ckpt: CheckpointReader, slots: list[layout.TensorSlot], trainable: bool) -> list[str]:
     """The tensors to load for one of the engine's groups: the weights and, if it trains, the
     optimizer states its parameters were saved with (which must agree across its parameters)."""
     if not trainable:
         return ["weight"]
-    found = {tuple(ckpt.params[s.name][0]["keys"]) for s in slots}
+    found = {tuple(ckpt.params[s.name][0].keys) for s in slots}
     if len(found) > 1:
         raise CheckpointError(
             f"{ckpt.url}: parameters {[s.name for s in slots]} were saved with different optimizer states "
@@ -160,14 +263,14 @@ def _keys(ckpt: Checkpoint, slots: list[layout.TensorSlot], trainable: bool) -> 
     return list(found.pop())
 
 
-def _check_names(ckpt: Checkpoint, states: list[GroupShard]) -> None:
+def _check_names(ckpt: CheckpointReader, states: list[GroupShard]) -> None:
     names = {s.name: s.shape for g in states for s in g.slots}
     missing = sorted(names.keys() - ckpt.params.keys())
     unexpected = sorted(ckpt.params.keys() - names.keys())
     wrong = [
-        f"{n}: saved {tuple(ckpt.params[n][1]['shape'])}, model {shape}"
+        f"{n}: saved {tuple(ckpt.params[n][1].shape)}, model {shape}"
         for n, shape in names.items()
-        if n in ckpt.params and tuple(ckpt.params[n][1]["shape"]) != shape
+        if n in ckpt.params and tuple(ckpt.params[n][1].shape) != shape
     ]
     if missing or unexpected or wrong:
         raise CheckpointError(
@@ -175,20 +278,21 @@ def _check_names(ckpt: Checkpoint, states: list[GroupShard]) -> None:
         )
 
 
-def _raw_section(f: dict[str, Any], s: dict[str, Any]) -> tuple[Request, torch.Tensor]:
-    buf = torch.empty(s["nbytes"], dtype=torch.uint8)
-    return Request(f["path"], s["offset"], buf), buf
+def _raw_section(f: FileEntry, s: SectionEntry) -> tuple[Request, torch.Tensor]:
+    """A request for a whole section into a fresh byte buffer (view it as ``s.dtype`` afterwards)."""
+    buf = torch.empty(s.nbytes, dtype=torch.uint8)
+    return Request(f.path, s.offset, buf), buf
 
 
-def load(engine: ZeroEngine, url: str, *, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+def load(engine: ZeroEngine, url: str, *, storage_options: dict[str, Any] | None = None) -> Manifest:
     """Collective: load the checkpoint at ``url`` into ``engine``, whatever world size and stage wrote it.
 
     Restores weights, optimizer states, counters, loss scale, LR scheduler and the model's buffers.
     Per-rank RNG state is restored at the world size that saved it; at another world size each rank
-    is reseeded with ``(global_step << 16) + rank`` instead. Returns the manifest.
+    is reseeded with ``(global_step << 16) + rank`` instead. Returns the manifest. (Join your
+    :class:`~zeroray.checkpoint.AsyncSaver` first if it may still be writing this checkpoint.)
     """
-    wait(engine)
-    ckpt = Checkpoint(url, storage_options)
+    ckpt = CheckpointReader(url, storage_options)
     states = engine.shard_state()
     _check_names(ckpt, states)
     requests: list[Request] = []
@@ -200,23 +304,23 @@ def load(engine: ZeroEngine, url: str, *, storage_options: dict[str, Any] | None
             t[max(0, gs.numel - gs.lo) :].zero_()
         for p in layout.pieces(gs.slots, gs.lo, gs.hi):
             group, slot = ckpt.params[p.name]
-            lo = slot["offset"] + p.t_lo
+            lo = slot.offset + p.t_lo
             for k in keys:
                 dest = out[k][p.f_lo - gs.lo : p.f_hi - gs.lo]
                 requests += ckpt.flat_requests(group, k, lo, lo + p.numel, dest)
         tensors[gs.name] = out
 
-    same_world = ckpt.manifest["world_size"] == engine.world_size
+    same_world = ckpt.manifest.world_size == engine.world_size
     rng: dict[str, torch.Tensor] = {}
     for f, s in ckpt.sections("rng"):
-        if same_world and f["rank"] == engine.rank:
-            req, rng[s["key"]] = _raw_section(f, s)
+        if same_world and f.rank == engine.rank:
+            req, rng[s.key] = _raw_section(f, s)
             requests.append(req)
     buffers = dict(engine.module.named_buffers())
     saved_buffers = []
     for f, s in ckpt.sections("buffer"):
-        if s["name"] not in buffers or s["dtype"] not in DTYPES:
-            raise CheckpointError(f"{url}: buffer {s['name']!r} ({s['dtype']}) does not fit this model")
+        if s.name not in buffers or s.dtype not in DTYPES:
+            raise CheckpointError(f"{url}: buffer {s.name!r} ({s.dtype}) does not fit this model")
         req, buf = _raw_section(f, s)
         requests.append(req)
         saved_buffers.append((s, buf))
@@ -225,8 +329,8 @@ def load(engine: ZeroEngine, url: str, *, storage_options: dict[str, Any] | None
 
     with torch.no_grad():
         for s, buf in saved_buffers:
-            buffers[s["name"]].copy_(buf.view(DTYPES[s["dtype"]]).reshape(s["shape"]))
-    meta = ckpt.manifest["meta"]
+            buffers[s.name].copy_(buf.view(DTYPES[s.dtype]).reshape(s.shape))
+    meta = ckpt.manifest.meta
     engine.load_shard_state(tensors, meta)
     if same_world:
         torch.set_rng_state(rng["cpu"])

@@ -1,9 +1,13 @@
-"""Checkpoints of a run on any fsspec storage: naming, listing, the newest committed one, retention.
+"""Checkpoints of a run on any fsspec storage: naming, listing, the newest valid one, retention.
 
 A run directory holds ``checkpoint_<step>/`` directories. One is *committed* when its
-``manifest.json`` exists (the manifest is written last); anything else is incomplete — a save in
-flight or one that died — and is never loaded. Storage options (credentials, endpoints) go to fsspec
-only; they are never printed or written anywhere.
+``manifest.json`` exists (the manifest is written last, atomically) and parses; anything else is
+incomplete — a save in flight or one that died — or broken (a manifest that does not parse, or a
+rank file it names that is missing or of the wrong size), and is never loaded. URLs are opened
+through :mod:`zeroray.storage`, shared with the trainer; its :class:`~zeroray.storage.StorageError`
+is re-raised as :class:`CheckpointStorageError`, which is both a ``CheckpointError`` and a
+``StorageError``. Storage options (credentials, endpoints) go to fsspec only; they are never printed
+or written anywhere.
 """
 
 from __future__ import annotations
@@ -13,30 +17,28 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-import fsspec
 from fsspec import AbstractFileSystem
 
-from zeroray.checkpoint.manifest import MANIFEST, CheckpointError, parse_manifest
+from zeroray import storage
+from zeroray.checkpoint.manifest import (
+    MANIFEST,
+    CheckpointError,
+    CheckpointStorageError,
+    Manifest,
+    parse_manifest,
+)
 
 _CKPT = re.compile(r"^checkpoint_(\d+)$")
+join_url = storage.join_url
+parent_url = storage.parent_url
 
 
 def open_url(url: str, storage_options: dict[str, Any] | None = None) -> tuple[AbstractFileSystem, str]:
-    """The filesystem and path of ``url`` (file://, memory://, s3://, gs://, a plain path)."""
+    """:func:`zeroray.storage.open_url`, raising :class:`CheckpointStorageError`."""
     try:
-        return fsspec.core.url_to_fs(url, **(storage_options or {}))
-    except Exception as e:  # unknown protocol, missing driver package, bad options
-        raise CheckpointError(f"cannot open storage URL {url!r}: {type(e).__name__}: {e}") from e
-
-
-def join_url(url: str, name: str) -> str:
-    return url.rstrip("/") + "/" + name
-
-
-def parent_url(url: str) -> str:
-    """The directory holding ``url`` (for a checkpoint: its run)."""
-    head, sep, _ = url.rstrip("/").rpartition("/")
-    return head if sep else "."
+        return storage.open_url(url, storage_options)
+    except storage.StorageError as e:
+        raise CheckpointStorageError(str(e)) from e
 
 
 def checkpoint_url(run_url: str, step: int) -> str:
@@ -44,7 +46,7 @@ def checkpoint_url(run_url: str, step: int) -> str:
     return join_url(run_url, f"checkpoint_{step}")
 
 
-def read_manifest(fs: AbstractFileSystem, path: str, url: str) -> dict[str, Any]:
+def read_manifest(fs: AbstractFileSystem, path: str, url: str) -> Manifest:
     """The checked manifest of the checkpoint at ``path``; a missing one means "not committed"."""
     mpath = posixpath.join(path, MANIFEST)
     try:
@@ -53,12 +55,28 @@ def read_manifest(fs: AbstractFileSystem, path: str, url: str) -> dict[str, Any]
         raise CheckpointError(
             f"{url} is not a committed checkpoint (no {MANIFEST}; the save did not finish)"
         ) from None
+    except Exception as e:  # no credentials, unreachable endpoint, permission denied
+        raise CheckpointStorageError(f"cannot read {join_url(url, MANIFEST)}: {type(e).__name__}: {e}") from e
     return parse_manifest(raw, join_url(url, MANIFEST))
+
+
+def check_files(manifest: Manifest, sizes: dict[str, int], url: str) -> None:
+    """Every rank file the manifest names is listed with its size (a listing, no reads)."""
+    for f in manifest.files:
+        if f.path not in sizes:
+            raise CheckpointError(f"{join_url(url, f.path)} is missing")
+        if sizes[f.path] != f.size:
+            raise CheckpointError(
+                f"{join_url(url, f.path)} has {sizes[f.path]} bytes, the manifest says {f.size}"
+            )
 
 
 @dataclass(frozen=True)
 class CheckpointInfo:
-    """One ``checkpoint_<step>`` directory of a run, as ``zeroray ls`` shows it."""
+    """One ``checkpoint_<step>`` directory of a run, as ``zeroray ls`` shows it.
+
+    ``committed``: it has a manifest that parses and (when manifests were read) every file it names,
+    at its size. ``broken``: why a checkpoint with a manifest is not committed, else None."""
 
     url: str
     step: int
@@ -67,15 +85,18 @@ class CheckpointInfo:
     world_size: int | None = None
     stage: int | None = None
     global_step: int | None = None
+    broken: str | None = None
 
 
-def _scan(fs: AbstractFileSystem, run_path: str) -> dict[int, tuple[str, dict[str, int]]]:
+def _scan(fs: AbstractFileSystem, run_path: str, run_url: str) -> dict[int, tuple[str, dict[str, int]]]:
     """step -> (directory path, {file name: size}) with one recursive listing."""
-    fs.invalidate_cache(run_path)
     try:
+        fs.invalidate_cache(run_path)
         found = fs.find(run_path, maxdepth=2, detail=True)
     except FileNotFoundError:
         return {}
+    except Exception as e:  # no credentials, unreachable endpoint, permission denied
+        raise CheckpointStorageError(f"cannot list {run_url}: {type(e).__name__}: {e}") from e
     out: dict[int, tuple[str, dict[str, int]]] = {}
     root = run_path.rstrip("/")
     for path, info in found.items():
@@ -89,29 +110,54 @@ def _scan(fs: AbstractFileSystem, run_path: str) -> dict[int, tuple[str, dict[st
     return dict(sorted(out.items()))
 
 
+def _info(fs: AbstractFileSystem, url: str, path: str, step: int, files: dict[str, int]) -> CheckpointInfo:
+    """Read and check one checkpoint's manifest; damage makes it broken, not an error."""
+    size = sum(files.values())
+    try:
+        m = read_manifest(fs, path, url)
+        check_files(m, files, url)
+    except CheckpointStorageError:
+        raise
+    except CheckpointError as e:
+        return CheckpointInfo(url, step, False, size, broken=str(e))
+    return CheckpointInfo(url, step, True, size, m.world_size, m.stage, m.meta.get("global_step"))
+
+
 def list_checkpoints(
     run_url: str, storage_options: dict[str, Any] | None = None, *, read_manifests: bool = True
 ) -> list[CheckpointInfo]:
-    """Every ``checkpoint_<step>`` of the run, oldest first (reads committed manifests for details)."""
+    """Every ``checkpoint_<step>`` of the run, oldest first. With ``read_manifests`` each manifest is
+    read and checked against the listing (a broken one is listed with ``broken`` set); without,
+    ``committed`` only means a manifest file exists."""
     fs, run_path = open_url(run_url, storage_options)
     infos = []
-    for step, (path, files) in _scan(fs, run_path).items():
+    for step, (path, files) in _scan(fs, run_path, run_url).items():
         url = join_url(run_url, posixpath.basename(path))
-        committed = MANIFEST in files
-        info = CheckpointInfo(url, step, committed, sum(files.values()))
-        if committed and read_manifests:
-            m = read_manifest(fs, path, url)
-            info = CheckpointInfo(
-                url, step, True, info.size_bytes, m["world_size"], m["stage"], m["meta"].get("global_step")
-            )
-        infos.append(info)
+        if MANIFEST in files and read_manifests:
+            infos.append(_info(fs, url, path, step, files))
+        else:
+            infos.append(CheckpointInfo(url, step, MANIFEST in files, sum(files.values())))
     return infos
 
 
+def latest_valid(run_url: str, storage_options: dict[str, Any] | None = None) -> CheckpointInfo | None:
+    """The run's newest checkpoint whose manifest parses and whose files are all there, or None.
+
+    Manifests are read newest first and only until one is valid, so a broken newest checkpoint
+    (torn manifest, lost rank file) falls back to the one before it."""
+    fs, run_path = open_url(run_url, storage_options)
+    for step, (path, files) in reversed(_scan(fs, run_path, run_url).items()):
+        if MANIFEST in files:
+            info = _info(fs, join_url(run_url, posixpath.basename(path)), path, step, files)
+            if info.committed:
+                return info
+    return None
+
+
 def latest_committed(run_url: str, storage_options: dict[str, Any] | None = None) -> str | None:
-    """URL of the run's newest committed checkpoint, or None: what a (re)started run loads."""
-    done = [c for c in list_checkpoints(run_url, storage_options, read_manifests=False) if c.committed]
-    return done[-1].url if done else None
+    """URL of the run's newest valid committed checkpoint, or None: what a (re)started run loads."""
+    info = latest_valid(run_url, storage_options)
+    return info.url if info is not None else None
 
 
 def delete_checkpoint(fs: AbstractFileSystem, path: str) -> None:
@@ -130,12 +176,12 @@ def apply_retention(
     run_url: str, num_to_keep: int | None, storage_options: dict[str, Any] | None = None
 ) -> list[str]:
     """Delete committed checkpoints beyond the newest ``num_to_keep`` (None: keep all) and incomplete
-    ones older than the newest commit; newer incomplete ones may be saves in flight and stay.
-    Returns the URLs deleted."""
+    or broken ones older than the newest commit; newer incomplete ones may be saves in flight and
+    stay. Returns the URLs deleted."""
     if num_to_keep is not None and num_to_keep < 1:
         raise ValueError(f"num_to_keep must be >= 1 or None, got {num_to_keep}")
     fs, run_path = open_url(run_url, storage_options)
-    infos = list_checkpoints(run_url, storage_options, read_manifests=False)
+    infos = list_checkpoints(run_url, storage_options)
     committed = [c for c in infos if c.committed]
     if not committed:
         return []

@@ -2,56 +2,53 @@
 
 A save, on every rank:
 
-1. wait for this rank's previous async save (one in flight per rank, so a host buffer is never
-   overwritten while it uploads); all ranks agree that it and the directory set-up went well;
+1. all ranks agree that the directory set-up (and, for an :class:`AsyncSaver`, its previous save)
+   went well;
 2. pick its sections: its slice of every flat group ("weight" and each optimizer state, fp32), its
    RNG state, and on rank 0 the model's persistent buffers. At stage 0 every rank holds every group,
    so group ``i`` is written only by rank ``i % world_size``;
-3. write ``rank-NNNNN.bin`` through fsspec, hashing 4 MiB chunks while writing, then its "done"
-   marker ``rank-NNNNN.part.json`` (the file's section table and checksums);
-4. rank 0 waits until every rank's marker is there, writes ``manifest.json`` — the commit — and
-   deletes the markers (and, if asked, old checkpoints).
+3. write ``rank-NNNNN.bin`` through fsspec, hashing 4 MiB chunks while writing, then its marker;
+4. rank 0 commits (see :mod:`zeroray.checkpoint.commit`) and, if asked, applies retention.
 
-Sync saves run 3-4 in the caller and end with a collective, so every rank returns after the commit.
-Async saves first copy the sections into a reusable host buffer (pinned on GPU) — the only stall —
-then run 3-4 in a background thread; rank 0's thread polls storage for the markers, so no collective
-runs off the main thread. ``wait(engine)`` (or the next save) joins it; on rank 0 that means
-committed.
+:func:`save` runs 3-4 in the caller and ends with a collective, so every rank returns after the
+commit. An :class:`AsyncSaver` — an object held by whoever saves (the trainer's checkpoint manager,
+or a user's loop) — first copies the sections into its reusable host buffer (pinned on GPU), the
+only stall, then runs 3-4 in a background thread; rank 0's thread polls storage for the markers, so
+no collective runs off the main thread. ``saver.wait()`` (or its next save) joins it; on rank 0
+that means committed.
 """
 
 from __future__ import annotations
 
-import json
 import posixpath
 import threading
-import time
-import weakref
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from fsspec import AbstractFileSystem
 
+from zeroray.checkpoint import commit as protocol
+from zeroray.checkpoint.commit import agree, attempt
 from zeroray.checkpoint.manifest import (
     ALGORITHM,
     CHUNK_BYTES,
-    MANIFEST,
     CheckpointError,
     ChunkHasher,
+    FileEntry,
+    GroupEntry,
+    Manifest,
+    SectionEntry,
+    SlotEntry,
     aligned,
-    dump_manifest,
     file_digest,
-    part_file,
     rank_file,
 )
 from zeroray.checkpoint.storage import apply_retention, delete_checkpoint, open_url, parent_url
 from zeroray.engine import ZeroEngine
 
 _WRITE_STEP = 4 << 20  # bytes handed to f.write at a time, hashed meanwhile in another thread
-_POLL_MAX_S = 1.0
 
 
 class SaveHandle:
@@ -74,19 +71,8 @@ class SaveHandle:
 
 
 @dataclass
-class _RankSaver:
-    """Per-engine async state: the reusable host buffer and the save in flight."""
-
-    buffer: torch.Tensor | None = None
-    inflight: SaveHandle | None = None
-
-
-_savers: weakref.WeakKeyDictionary[ZeroEngine, _RankSaver] = weakref.WeakKeyDictionary()
-
-
-@dataclass
 class _Section:
-    entry: dict[str, Any]  # its manifest entry; "offset" is set by _layout
+    entry: SectionEntry  # "offset" and "nbytes" are set by _plan
     tensor: torch.Tensor = field(repr=False)
 
 
@@ -94,77 +80,54 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
-def _plan(engine: ZeroEngine) -> tuple[list[dict[str, Any]], list[_Section]]:
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def _plan(engine: ZeroEngine) -> tuple[list[GroupEntry], list[_Section]]:
     """The rank-independent group table and this rank's sections, laid out in file order."""
     rank, world = engine.rank, engine.world_size
     groups, sections = [], []
     for i, g in enumerate(engine.shard_state()):
-        groups.append(
-            {
-                "name": g.name,
-                "numel": g.numel,
-                "shard_world": g.shard_world,
-                "param_group": g.param_group,
-                "dtype": "float32",
-                "keys": sorted(g.tensors),
-                "slots": [{"name": s.name, "shape": list(s.shape), "offset": s.offset} for s in g.slots],
-            }
-        )
+        slots = [SlotEntry(s.name, list(s.shape), s.offset) for s in g.slots]
+        groups.append(GroupEntry(g.name, g.numel, g.shard_world, g.param_group, "float32", sorted(g.tensors), slots))
         writer = i % world if g.shard_world == 1 else rank
         if writer != rank:
             continue
         for key in sorted(g.tensors):
-            t = g.tensors[key].float()
-            entry = {"kind": "shard", "group": g.name, "key": key, "shard": g.shard_rank, "dtype": "float32"}
-            sections.append(_Section(entry, t))
-    sections.append(_Section({"kind": "rng", "key": "cpu", "dtype": "uint8"}, torch.get_rng_state()))
+            entry = SectionEntry("shard", "float32", group=g.name, key=key, shard=g.shard_rank)
+            sections.append(_Section(entry, g.tensors[key].float()))
+    sections.append(_Section(SectionEntry("rng", "uint8", key="cpu"), torch.get_rng_state()))
     if engine.device.type == "cuda":
         rng = torch.cuda.get_rng_state(engine.device)
-        sections.append(_Section({"kind": "rng", "key": "cuda", "dtype": "uint8"}, rng))
+        sections.append(_Section(SectionEntry("rng", "uint8", key="cuda"), rng))
     if rank == 0:
         buffers = dict(engine.module.named_buffers())
         for name in engine.module.state_dict(keep_vars=True):
             if name in buffers:
                 b = buffers[name]
-                entry = {"kind": "buffer", "name": name, "shape": list(b.shape), "dtype": str(b.dtype).removeprefix("torch.")}
+                entry = SectionEntry("buffer", _dtype_name(b), name=name, shape=list(b.shape))
                 sections.append(_Section(entry, b))
     pos = 0
     for s in sections:
-        s.entry["offset"] = aligned(pos)
-        s.entry["nbytes"] = s.tensor.numel() * s.tensor.element_size()
-        pos = s.entry["offset"] + s.entry["nbytes"]
+        s.entry.offset = aligned(pos)
+        s.entry.nbytes = s.tensor.numel() * s.tensor.element_size()
+        pos = s.entry.offset + s.entry.nbytes
     return groups, sections
 
 
 def _file_size(sections: list[_Section]) -> int:
-    return sections[-1].entry["offset"] + sections[-1].entry["nbytes"]
+    return sections[-1].entry.offset + sections[-1].entry.nbytes
 
 
 def _views(sections: list[_Section]) -> list[tuple[int, memoryview]]:
     """Sync save: write straight from the tensors (CPU ones without a copy)."""
-    return [(s.entry["offset"], memoryview(_raw(s.tensor).cpu().numpy())) for s in sections]
-
-
-def _snapshot(saver: _RankSaver, sections: list[_Section], device: torch.device) -> list[tuple[int, memoryview]]:
-    """Async save: copy every section into the host buffer, laid out exactly as the file."""
-    total = _file_size(sections)
-    if saver.buffer is None or saver.buffer.numel() < total:
-        saver.buffer = torch.empty(total, dtype=torch.uint8, pin_memory=device.type == "cuda")
-    buf = saver.buffer[:total]
-    pos = 0
-    for s in sections:
-        off = s.entry["offset"]
-        buf[pos:off].zero_()
-        buf[off : off + s.entry["nbytes"]].copy_(_raw(s.tensor), non_blocking=True)
-        pos = off + s.entry["nbytes"]
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return [(0, memoryview(buf.numpy()))]
+    return [(s.entry.offset, memoryview(_raw(s.tensor).cpu().numpy())) for s in sections]
 
 
 def _write_file(fs: AbstractFileSystem, path: str, pieces: list[tuple[int, memoryview]]) -> list[str]:
     """Stream ``pieces`` (file offset, bytes) to ``path``, zero-filling gaps; returns chunk checksums."""
-    hasher = ChunkHasher(CHUNK_BYTES)
+    hasher = ChunkHasher(CHUNK_BYTES, ALGORITHM)
     pos = 0
     with ThreadPoolExecutor(1) as pool, fs.open(path, "wb") as f:
         for off, data in pieces:
@@ -184,82 +147,30 @@ def _write_file(fs: AbstractFileSystem, path: str, pieces: list[tuple[int, memor
 def _write_rank(
     fs: AbstractFileSystem, path: str, rank: int, sections: list[_Section], pieces: list[tuple[int, memoryview]]
 ) -> None:
-    """This rank's file, then its "done" marker carrying the file's manifest entry."""
+    """This rank's file, then its marker carrying the file's manifest entry."""
     name = rank_file(rank)
     chunks = _write_file(fs, posixpath.join(path, name), pieces)
-    entry = {
-        "path": name,
-        "rank": rank,
-        "size": _file_size(sections),
-        "algorithm": ALGORITHM,
-        "chunk_bytes": CHUNK_BYTES,
-        "chunks": chunks,
-        "sha256": file_digest(chunks),
-        "sections": [s.entry for s in sections],
-    }
-    fs.pipe_file(posixpath.join(path, part_file(rank)), json.dumps({"file": entry}).encode())
-
-
-def _await_parts(fs: AbstractFileSystem, path: str, url: str, world: int, timeout: float) -> list[dict[str, Any]]:
-    """Rank 0: poll storage until every rank's marker is there; fail on a rank's error marker."""
-    names = [part_file(r) for r in range(world)]
-    deadline, delay = time.monotonic() + timeout, 0.01
-    while True:
-        fs.invalidate_cache(path)
-        try:
-            present = {posixpath.basename(p) for p in fs.ls(path, detail=False)}
-        except FileNotFoundError:  # object stores: no "directory" before its first file
-            present = set()
-        if all(n in present for n in names):
-            break
-        if time.monotonic() > deadline:
-            missing = [r for r, n in enumerate(names) if n not in present]
-            raise CheckpointError(f"ranks {missing} did not finish writing {url} within {timeout:.0f} s")
-        time.sleep(delay)
-        delay = min(2 * delay, _POLL_MAX_S)
-    parts = [json.loads(fs.cat_file(posixpath.join(path, n))) for n in names]
-    failed = [f"rank {r}: {p['error']}" for r, p in enumerate(parts) if "error" in p]
-    if failed:
-        raise CheckpointError("; ".join(failed))
-    return [p["file"] for p in parts]
+    entry = FileEntry(
+        name, rank, _file_size(sections), ALGORITHM, CHUNK_BYTES, chunks, file_digest(chunks),
+        [s.entry for s in sections],
+    )
+    protocol.write_marker(fs, path, rank, entry)
 
 
 @dataclass
 class _Commit:
-    """What rank 0 needs to commit: the manifest body minus the files, and retention."""
+    """What rank 0 needs to commit: the manifest minus the files, and retention."""
 
-    body: dict[str, Any]
+    manifest: Manifest
     run_url: str
     num_to_keep: int | None
     storage_options: dict[str, Any] | None
     timeout: float
 
-
-def _commit(fs: AbstractFileSystem, path: str, url: str, c: _Commit) -> None:
-    files = _await_parts(fs, path, url, c.body["world_size"], c.timeout)
-    fs.pipe_file(posixpath.join(path, MANIFEST), dump_manifest({**c.body, "files": files}))
-    fs.rm([posixpath.join(path, part_file(r)) for r in range(c.body["world_size"])])
-    if c.num_to_keep is not None:
-        apply_retention(c.run_url, c.num_to_keep, c.storage_options)
-
-
-def _agree(engine: ZeroEngine, error: str | None, what: str) -> None:
-    """Collective: raise on every rank if ``what`` failed on any rank."""
-    errors = [error]
-    if engine.process_group is not None:
-        errors = [None] * engine.world_size
-        dist.all_gather_object(errors, error, group=engine.process_group)
-    failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
-    if failed:
-        raise CheckpointError(f"{what} failed: " + "; ".join(failed))
-
-
-def _attempt(fn: Callable[[], None]) -> str | None:
-    try:
-        fn()
-    except Exception as e:
-        return f"{type(e).__name__}: {e}"
-    return None
+    def run(self, fs: AbstractFileSystem, path: str, url: str) -> None:
+        protocol.commit(fs, path, url, self.manifest, self.timeout)
+        if self.num_to_keep is not None:
+            apply_retention(self.run_url, self.num_to_keep, self.storage_options)
 
 
 def _prepare_dir(fs: AbstractFileSystem, path: str) -> None:
@@ -269,67 +180,111 @@ def _prepare_dir(fs: AbstractFileSystem, path: str) -> None:
     fs.makedirs(path, exist_ok=True)
 
 
-def wait(engine: ZeroEngine) -> None:
-    """Block until this rank's in-flight async save is done (on rank 0: committed); raise its error."""
-    saver = _savers.get(engine)
-    if saver is not None and saver.inflight is not None:
-        handle, saver.inflight = saver.inflight, None
-        handle.wait()
+def _start(
+    engine: ZeroEngine, url: str, previous: str | None, storage_options: dict[str, Any] | None,
+    num_to_keep: int | None, commit_timeout: float,
+) -> tuple[AbstractFileSystem, str, list[_Section], _Commit | None]:
+    """Collective: open and prepare the directory, agree, and plan this rank's file."""
+    fs, path = open_url(url, storage_options)
+    ready = previous or (attempt(lambda: _prepare_dir(fs, path)) if engine.rank == 0 else None)
+    agree(engine.process_group, engine.world_size, ready, f"preparing the save to {url} (or the previous async save)")
+    groups, sections = _plan(engine)
+    commit = None
+    if engine.rank == 0:
+        manifest = Manifest(engine.world_size, engine.stage, groups, engine.state_meta())
+        commit = _Commit(manifest, parent_url(url), num_to_keep, storage_options, commit_timeout)
+    return fs, path, sections, commit
 
 
 def save(
     engine: ZeroEngine,
     url: str,
     *,
-    async_: bool = False,
     storage_options: dict[str, Any] | None = None,
     num_to_keep: int | None = None,
     commit_timeout: float = 1800.0,
 ) -> SaveHandle:
-    """Collective: save ``engine`` to the directory ``url`` (any fsspec URL), every rank in parallel.
+    """Collective: save ``engine`` to the directory ``url`` (any fsspec URL), every rank in parallel;
+    returns on every rank once the checkpoint is committed. (For a save that overlaps training, use
+    an :class:`AsyncSaver`.)
 
-    ``async_``: return after copying into a host buffer; upload and commit go on in the background
-    (join with :func:`wait`). ``num_to_keep``: after the commit, rank 0 applies
-    :func:`apply_retention` to the parent directory (the run). ``commit_timeout``: how long rank 0
-    waits for the other ranks' files before giving the save up.
+    ``num_to_keep``: after the commit, rank 0 applies :func:`apply_retention` to the parent
+    directory (the run). ``commit_timeout``: how long rank 0 waits for the other ranks' files.
     """
-    saver = _savers.setdefault(engine, _RankSaver())
-    rank = engine.rank
-    previous = _attempt(lambda: wait(engine))
-    fs, path = open_url(url, storage_options)
-    ready = previous or (_attempt(lambda: _prepare_dir(fs, path)) if rank == 0 else None)
-    _agree(engine, ready, f"preparing the save to {url} (or the previous async save)")
+    rank, group, world = engine.rank, engine.process_group, engine.world_size
+    fs, path, sections, commit = _start(engine, url, None, storage_options, num_to_keep, commit_timeout)
+    agree(group, world, attempt(lambda: _write_rank(fs, path, rank, sections, _views(sections))), f"writing {url}")
+    agree(group, world, attempt(lambda: commit.run(fs, path, url)) if commit else None, f"committing {url}")
+    return SaveHandle(url)
 
-    groups, sections = _plan(engine)
-    commit = None
-    if rank == 0:
-        meta = engine.state_meta()
-        body = {"world_size": engine.world_size, "stage": engine.stage, "groups": groups, "meta": meta}
-        commit = _Commit(body, parent_url(url), num_to_keep, storage_options, commit_timeout)
 
-    if not async_:
-        _agree(engine, _attempt(lambda: _write_rank(fs, path, rank, sections, _views(sections))), f"writing {url}")
-        _agree(engine, _attempt(lambda: _commit(fs, path, url, commit)) if commit else None, f"committing {url}")
-        return SaveHandle(url)
+class AsyncSaver:
+    """Background saves of one engine, one in flight at a time, through a reusable host buffer.
 
-    pieces = _snapshot(saver, sections, engine.device)
-    handle = SaveHandle(url)
+    Held by whoever saves (the trainer's checkpoint manager keeps one per rank; a user's loop can
+    keep its own). Every rank calls ``save`` (a collective); ``wait`` joins this rank's save in
+    flight (on rank 0: until committed) and raises its error; the next ``save`` waits first, so a
+    host buffer is never overwritten while it uploads.
+    """
 
-    def upload() -> None:
-        try:
-            _write_rank(fs, path, rank, sections, pieces)
-        except Exception as e:
-            handle.error = e
-            msg = json.dumps({"error": f"{type(e).__name__}: {e}"}).encode()
-            _attempt(lambda: fs.pipe_file(posixpath.join(path, part_file(rank)), msg))
-            return
-        if commit is not None:
+    def __init__(self, engine: ZeroEngine):
+        self.engine = engine
+        self._buffer: torch.Tensor | None = None
+        self._inflight: SaveHandle | None = None
+
+    def wait(self) -> None:
+        """Block until this rank's in-flight save is done (on rank 0: committed); raise its error."""
+        if self._inflight is not None:
+            handle, self._inflight = self._inflight, None
+            handle.wait()
+
+    def save(
+        self,
+        url: str,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        num_to_keep: int | None = None,
+        commit_timeout: float = 1800.0,
+    ) -> SaveHandle:
+        """Collective: copy the engine's state into the host buffer and upload/commit it in the
+        background; arguments as :func:`save`."""
+        engine, rank = self.engine, self.engine.rank
+        previous = attempt(self.wait)
+        fs, path, sections, commit = _start(engine, url, previous, storage_options, num_to_keep, commit_timeout)
+        pieces = self._snapshot(sections, engine.device)
+        handle = SaveHandle(url)
+
+        def upload() -> None:
             try:
-                _commit(fs, path, url, commit)
+                _write_rank(fs, path, rank, sections, pieces)
             except Exception as e:
                 handle.error = e
+                msg = f"{type(e).__name__}: {e}"
+                attempt(lambda: protocol.write_error_marker(fs, path, rank, msg))
+                return
+            if commit is not None:
+                try:
+                    commit.run(fs, path, url)
+                except Exception as e:
+                    handle.error = e
 
-    handle._thread = threading.Thread(target=upload, name=f"zeroray-save-rank{rank}", daemon=True)
-    handle._thread.start()
-    saver.inflight = handle
-    return handle
+        handle._thread = threading.Thread(target=upload, name=f"zeroray-save-rank{rank}", daemon=True)
+        handle._thread.start()
+        self._inflight = handle
+        return handle
+
+    def _snapshot(self, sections: list[_Section], device: torch.device) -> list[tuple[int, memoryview]]:
+        """Copy every section into the host buffer, laid out exactly as the file."""
+        total = _file_size(sections)
+        if self._buffer is None or self._buffer.numel() < total:
+            self._buffer = torch.empty(total, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        buf = self._buffer[:total]
+        pos = 0
+        for s in sections:
+            off = s.entry.offset
+            buf[pos:off].zero_()
+            buf[off : off + s.entry.nbytes].copy_(_raw(s.tensor), non_blocking=True)
+            pos = off + s.entry.nbytes
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return [(0, memoryview(buf.numpy()))]

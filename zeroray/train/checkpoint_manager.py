@@ -3,9 +3,13 @@ resumes from, and what ``Result.checkpoint`` names.
 
 Storage is the one source of truth, kept by ``zeroray.checkpoint``: every rank writes its shard, rank 0
 commits the manifest and applies ``CheckpointConfig.num_to_keep`` (``zc.save``), and the newest
-committed ``<run>/checkpoint_<global step>`` is found by listing the run (``zc.latest_committed``). So
-a restart after a failure and a new ``fit()`` with the same name and storage path resume alike, at any
-world size and stage (the checkpoint reshards). The driver keeps no list of its own.
+*valid* committed ``<run>/checkpoint_<global step>`` (its manifest parses, its files are there) is
+found by listing the run (``zc.latest_valid``), so a torn or damaged newest one falls back to the one
+before it. So a restart after a failure and a new ``fit()`` with the same name and storage path
+resume alike, at any world size and stage (the checkpoint reshards). The driver keeps no list of its own.
+
+Async saves go through one ``zc.AsyncSaver`` per rank, held on the session (``checkpoint_saver``)
+from the first async save to the end of the loop.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ class Checkpoint:
     """A committed checkpoint of the run, as ``Result.checkpoint`` (like ``ray.train.Checkpoint``).
 
     ``path``: the checkpoint directory's URL on ``RunConfig.storage_path``; pass it, with
-    ``RunConfig.storage_options``, to ``zeroray.checkpoint.load`` / ``export`` / ``Checkpoint(...).verify``.
+    ``RunConfig.storage_options``, to ``zeroray.checkpoint.load`` / ``export`` /
+    ``CheckpointReader(...).verify``.
     ``step``: the engine's ``global_step`` when it was saved.
     """
 
@@ -33,10 +38,9 @@ class Checkpoint:
 
 
 def latest_checkpoint(run_url: str, storage_options: dict[str, Any] | None = None) -> Checkpoint | None:
-    """Driver side: the run's newest committed checkpoint on storage, or None."""
-    listed = zc.list_checkpoints(run_url, storage_options, read_manifests=False)
-    committed = [c for c in listed if c.committed]
-    return Checkpoint(committed[-1].url, committed[-1].step) if committed else None
+    """Driver side: the run's newest valid committed checkpoint on storage, or None."""
+    info = zc.latest_valid(run_url, storage_options)
+    return Checkpoint(info.url, info.step) if info is not None else None
 
 
 def resume(session: Session) -> None:
@@ -51,6 +55,7 @@ def resume(session: Session) -> None:
         dist.broadcast_object_list(choice, src=0, group=session.report_group)
     url = choice[0]
     if url is not None:
+        wait(session)  # an async save of an earlier engine of this loop must not race the read
         zc.load(session.engine, url, storage_options=options)
 
 
@@ -69,12 +74,26 @@ def save(session: Session) -> None:
     commit."""
     engine, cfg = session.engine, session.checkpoint_config
     url = zc.checkpoint_url(session.context.trial_dir, engine.global_step)
-    zc.save(engine, url, async_=cfg.async_save, storage_options=session.storage_options,
-            num_to_keep=cfg.num_to_keep)
+    options = {"storage_options": session.storage_options, "num_to_keep": cfg.num_to_keep}
+    if not cfg.async_save:
+        wait(session)  # a sync save after an async one: one save in flight at a time
+        zc.save(engine, url, **options)
+        return
+    saver = _saver(session)
+    if saver is None or saver.engine is not engine:  # first async save, or a new engine
+        wait(session)
+        saver = zc.AsyncSaver(engine)
+        session.checkpoint_saver = saver
+    saver.save(url, **options)
+
+
+def _saver(session: Session) -> zc.AsyncSaver | None:
+    return getattr(session, "checkpoint_saver", None)
 
 
 def wait(session: Session) -> None:
     """After the loop returns, before the rank reports done: join this rank's async save (on rank 0:
     until it is committed), so teardown never cuts a checkpoint short."""
-    if session.engine is not None:
-        zc.wait(session.engine)
+    saver = _saver(session)
+    if saver is not None:
+        saver.wait()

@@ -1,0 +1,75 @@
+"""Helpers shared by the checkpoint tests: a small engine, training steps, and exact state snapshots
+(weights, every rank's optimizer pieces, scalars, buffers) to compare across a save and a load."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+import zeroray
+from tests.models import TinyLM, param_groups
+from zeroray.engine import ZeroEngine, layout
+
+STEPS = 3  # optimizer steps before the first save
+
+
+def make_engine(stage: int, seed: int = 0, **model_kw: Any) -> ZeroEngine:
+    """TinyLM with AdamW over two param groups, clipping and a StepLR schedule."""
+    torch.manual_seed(seed)
+    model = TinyLM(**model_kw)
+    cfg = zeroray.ZeroConfig(stage=stage, comm={"reduce_bucket_size": 500}, gradient_clipping=0.5)
+    return zeroray.initialize(
+        model,
+        torch.optim.AdamW(param_groups(model), lr=1e-2),
+        cfg,
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.9),
+    )
+
+
+def train(engine: ZeroEngine, data: list) -> float:
+    loss = torch.tensor(0.0)
+    for x, y in data:
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+    return loss.item()
+
+
+def snapshot(engine: ZeroEngine) -> dict[str, Any]:
+    """Collective: weights, this rank's pieces of every optimizer state, scalars and buffers."""
+    opt: dict[tuple[str, str], list] = defaultdict(list)
+    for gs in engine.shard_state():
+        for p in layout.pieces(gs.slots, gs.lo, gs.hi):
+            for k, t in gs.tensors.items():
+                if k != "weight":
+                    opt[(p.name, k)].append((p.t_lo, p.t_hi, t[p.f_lo - gs.lo : p.f_hi - gs.lo].clone()))
+    meta = engine.state_meta()
+    return {
+        "weights": engine.full_state_dict(),
+        "opt": dict(opt),
+        "meta": {k: meta[k] for k in ("global_step", "optimizer_scalars", "lr_scheduler", "loss_scaler")},
+        "buffers": {n: b.clone() for n, b in engine.module.named_buffers()},
+    }
+
+
+def assemble(snaps: list[dict[str, Any]]) -> dict[str, Any]:
+    """One full state from every rank's snapshot (optimizer pieces put together)."""
+    weights = snaps[0]["weights"]
+    opt: dict[tuple[str, str], torch.Tensor] = {}
+    for s in snaps:
+        for (name, key), pieces in s["opt"].items():
+            flat = opt.setdefault((name, key), torch.full((weights[name].numel(),), float("nan")))
+            for lo, hi, t in pieces:
+                flat[lo:hi] = t
+    return {**snaps[0], "opt": opt}
+
+
+def assert_same(got: dict[str, Any], want: dict[str, Any], what: str) -> None:
+    """Exact equality: a checkpoint round trip must not change a bit."""
+    assert got["meta"] == want["meta"], what
+    for part in ("weights", "opt", "buffers"):
+        assert got[part].keys() == want[part].keys(), (what, part)
+        for k in want[part]:
+            assert torch.equal(got[part][k], want[part][k]), (what, part, k)

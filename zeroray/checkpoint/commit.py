@@ -1,0 +1,110 @@
+"""The commit protocol: how the ranks of a save agree and how rank 0 commits.
+
+1. every rank writes its file, then its *marker* ``rank-NNNNN.part.json`` (its :class:`FileEntry`,
+   or ``{"error": ...}`` when its write failed), atomically: on a local filesystem a temporary name
+   renamed into place, on an object store one PUT. A marker that does not parse (a foreign writer,
+   a torn file from an older zeroray) counts as not there yet;
+2. rank 0 polls storage (bounded by a timeout, backing off) until every rank's marker parses;
+3. rank 0 writes ``manifest.json`` atomically — the commit — then deletes the markers.
+
+Collective agreement (:func:`agree`) is used by sync saves and before every save; async saves need
+none off the main thread, because rank 0 learns everything from storage.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+from fsspec import AbstractFileSystem
+
+from zeroray.checkpoint.manifest import (
+    MANIFEST,
+    CheckpointError,
+    FileEntry,
+    Manifest,
+    dump_manifest,
+    part_file,
+)
+from zeroray.storage import atomic_write
+
+_POLL_MAX_S = 1.0
+
+
+def write_marker(fs: AbstractFileSystem, path: str, rank: int, entry: FileEntry) -> None:
+    """This rank's file is complete: publish its entry."""
+    atomic_write(fs, posixpath.join(path, part_file(rank)), json.dumps({"file": entry.to_json()}).encode())
+
+
+def write_error_marker(fs: AbstractFileSystem, path: str, rank: int, error: str) -> None:
+    """This rank's write failed: tell rank 0, so it stops waiting."""
+    atomic_write(fs, posixpath.join(path, part_file(rank)), json.dumps({"error": error}).encode())
+
+
+def _read_marker(fs: AbstractFileSystem, mpath: str) -> dict[str, Any] | None:
+    """A marker's content, or None while it is absent or does not parse."""
+    try:
+        marker = json.loads(fs.cat_file(mpath))
+    except (FileNotFoundError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return marker if isinstance(marker, dict) and ("file" in marker or "error" in marker) else None
+
+
+def await_markers(fs: AbstractFileSystem, path: str, url: str, world: int, timeout: float) -> list[FileEntry]:
+    """Rank 0: poll storage until every rank's marker parses; raise on a rank's error marker."""
+    names = [part_file(r) for r in range(world)]
+    markers: dict[int, dict[str, Any]] = {}
+    deadline, delay = time.monotonic() + timeout, 0.01
+    while True:
+        fs.invalidate_cache(path)
+        try:
+            present = {posixpath.basename(p) for p in fs.ls(path, detail=False)}
+        except FileNotFoundError:  # object stores: no "directory" before its first file
+            present = set()
+        for r, n in enumerate(names):
+            if r not in markers and n in present:
+                m = _read_marker(fs, posixpath.join(path, n))
+                if m is not None:
+                    markers[r] = m
+        if len(markers) == world:
+            break
+        if time.monotonic() > deadline:
+            missing = [r for r in range(world) if r not in markers]
+            raise CheckpointError(f"ranks {missing} did not finish writing {url} within {timeout:.0f} s")
+        time.sleep(delay)
+        delay = min(2 * delay, _POLL_MAX_S)
+    failed = [f"rank {r}: {markers[r]['error']}" for r in range(world) if "error" in markers[r]]
+    if failed:
+        raise CheckpointError("; ".join(failed))
+    return [FileEntry.from_json(markers[r]["file"]) for r in range(world)]
+
+
+def commit(fs: AbstractFileSystem, path: str, url: str, manifest: Manifest, timeout: float) -> None:
+    """Rank 0: wait for every rank's marker, write the manifest atomically, delete the markers."""
+    manifest.files = await_markers(fs, path, url, manifest.world_size, timeout)
+    atomic_write(fs, posixpath.join(path, MANIFEST), dump_manifest(manifest))
+    fs.rm([posixpath.join(path, part_file(r)) for r in range(manifest.world_size)])
+
+
+def attempt(fn: Callable[[], None]) -> str | None:
+    """Run ``fn``; its error as one line, or None."""
+    try:
+        fn()
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def agree(group: Any, world: int, error: str | None, what: str) -> None:
+    """Collective: raise on every rank if ``what`` failed on any rank."""
+    errors = [error]
+    if group is not None:
+        errors = [None] * world
+        dist.all_gather_object(errors, error, group=group)
+    failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
+    if failed:
+        raise CheckpointError(f"{what} failed: " + "; ".join(failed))
