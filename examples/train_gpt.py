@@ -32,6 +32,7 @@ except ImportError:  # run from a checkout without `pip install -e .`
 
 import zeroray.train as zt
 from zeroray import ZeroConfig
+from zeroray.config_loader import load_config
 from zeroray.models.gpt import GPT, GPTConfig
 from zeroray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, ZeroTrainer
 from zeroray.train.cluster import ensure_ray, started_here
@@ -149,7 +150,7 @@ def main() -> None:
                 f"here has {cpus:g}: pass --num-cpus {args.workers} to share the cores (slower), or fewer --workers")
 
     if args.deepspeed_config:
-        zero = ZeroConfig.coerce(args.deepspeed_config)
+        zero = load_config(args.deepspeed_config, defer=True)
         if args.stage is not None:
             zero = dataclasses.replace(zero, stage=args.stage)
     else:

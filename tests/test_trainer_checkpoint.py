@@ -84,7 +84,7 @@ def test_checkpoints_are_saved_and_the_newest_num_to_keep_stay(ray_cluster, tmp_
     run_dir = tmp_path / "runs" / name
     assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoint_6", "checkpoint_8", "metrics.jsonl", "run.json"]
     assert result.checkpoint == zt.Checkpoint(path=infos[-1].url, step=8)
-    zc.Checkpoint(result.checkpoint.path).verify()
+    zc.CheckpointReader(result.checkpoint.path).verify()
     assert [h["step"] for h in result.metrics_history] == list(range(1, 9))
     assert_nothing_left(name, [result.metrics["pid"]])
 

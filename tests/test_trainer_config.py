@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
+import zeroray.checkpoint as zc
+from tests.checkpoint_helpers import make_engine
 from zeroray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, ZeroTrainer
 from zeroray.train.checkpoint_manager import Checkpoint, latest_checkpoint
 from zeroray.train.failure_policy import FailureDecision, FailurePolicy
@@ -124,9 +128,10 @@ def test_failure_policy_counts_failures():
 def test_latest_checkpoint_is_the_newest_committed_on_storage(tmp_path):
     run = tmp_path / "run"
     assert latest_checkpoint(str(run)) is None  # no run directory yet: a fresh start
-    for step, committed in [(2, True), (10, True), (12, False)]:  # 12: a save in flight or one that died
-        (run / f"checkpoint_{step}").mkdir(parents=True)
-        (run / f"checkpoint_{step}" / ("manifest.json" if committed else "rank-00000.bin")).write_text("{}")
+    zc.save(make_engine(0), str(run / "checkpoint_2"))
+    shutil.copytree(run / "checkpoint_2", run / "checkpoint_10")
+    (run / "checkpoint_12").mkdir()  # a save in flight or one that died: a rank file, no manifest
+    (run / "checkpoint_12" / "rank-00000.bin").write_bytes(b"")
     assert latest_checkpoint(str(run)) == Checkpoint(f"{run}/checkpoint_10", 10)  # by step, not by name
 
 

@@ -52,7 +52,7 @@ def require_shared(fs: AbstractFileSystem, url: str, what: str, processes: int) 
     each process would see only its own files, and a rank waiting for another's would wait forever."""
     if processes > 1 and any(p in _PROCESS_LOCAL for p in protocols(fs)):
         raise StorageError(
-            f"{what} {url!r} is process-local storage: each of the {processes} ranks would see only its "
+            f"{what} {url!r} is process-local storage: each of the {processes} processes of the run would see only its "
             "own files. Use storage all ranks share: a local or network path, or an object store (s3://, gs://)"
         )
 

@@ -79,7 +79,7 @@ def save(session: Session) -> None:
         wait(session)  # a sync save after an async one: one save in flight at a time
         zc.save(engine, url, **options)
         return
-    saver = _saver(session)
+    saver = session.checkpoint_saver
     if saver is None or saver.engine is not engine:  # first async save, or a new engine
         wait(session)
         saver = zc.AsyncSaver(engine)
@@ -87,13 +87,8 @@ def save(session: Session) -> None:
     saver.save(url, **options)
 
 
-def _saver(session: Session) -> zc.AsyncSaver | None:
-    return getattr(session, "checkpoint_saver", None)
-
-
 def wait(session: Session) -> None:
     """After the loop returns, before the rank reports done: join this rank's async save (on rank 0:
     until it is committed), so teardown never cuts a checkpoint short."""
-    saver = _saver(session)
-    if saver is not None:
-        saver.wait()
+    if session.checkpoint_saver is not None:
+        session.checkpoint_saver.wait()

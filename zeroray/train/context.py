@@ -83,6 +83,7 @@ class Session:
     waiting_in: str | None = None
     last_report_time: float | None = None
     last_global_step: int = 0
+    checkpoint_saver: Any = None  # the rank's zeroray.checkpoint.AsyncSaver, from its first async save
 
     @property
     def zero_config(self) -> Any:

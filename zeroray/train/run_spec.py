@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from zeroray.config import ZeroConfig
+from zeroray.config_loader import ConfigArg
 from zeroray.train.config import CheckpointConfig
 
 
@@ -26,7 +26,7 @@ class RunSpec:
     train_fn: Callable[..., Any]
     train_loop_config: dict[str, Any] | None
     pass_config: bool
-    zero_config: ZeroConfig
+    zero_config: ConfigArg  # as the user gave it: zt.prepare resolves it with the model and optimizer
     use_gpu: bool
     placement_strategy: str
     placement_timeout_s: float | None

@@ -12,7 +12,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from zeroray.config import ZeroConfig
+from zeroray.config_loader import ConfigArg, load_config
 from zeroray.storage import join_url
 from zeroray.train.config import RunConfig, ScalingConfig
 from zeroray.train.dataset import validate_datasets
@@ -47,7 +47,7 @@ class ZeroTrainer:
         train_loop_per_worker: Callable[..., Any],
         *,
         train_loop_config: dict[str, Any] | None = None,
-        zero_config: ZeroConfig | dict[str, Any] | str | None = None,
+        zero_config: ConfigArg = None,
         scaling_config: ScalingConfig | None = None,
         run_config: RunConfig | None = None,
         datasets: dict[str, Any] | None = None,
@@ -68,9 +68,12 @@ class ZeroTrainer:
             raise TypeError(f"scaling_config must be a zeroray ScalingConfig, got {type(scaling_config).__name__}")
         if not isinstance(run_config, RunConfig):
             raise TypeError(f"run_config must be a zeroray RunConfig, got {type(run_config).__name__}")
-        self.zero_config = ZeroConfig.coerce(zero_config)
+        # Checked here, before any actor starts; the ranks get the config as given, so that zt.prepare
+        # resolves the HF-style "auto"s that need the model and the optimizer.
+        checked = load_config(zero_config, defer=True)
+        self.zero_config = zero_config
         # Batch sizes must agree with the world size; checked here, not in the first rank to start.
-        self.samples_per_step = self.zero_config.resolve_batch(scaling_config.num_workers).train_batch_size
+        self.samples_per_step = checked.resolve_batch(scaling_config.num_workers).train_batch_size
         self.train_fn = train_loop_per_worker
         self.train_loop_config = train_loop_config
         self.scaling_config, self.run_config = scaling_config, run_config
