@@ -13,7 +13,9 @@ start all ranks from rank 0's weights, rebuild the optimizer over the shards, in
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import weakref
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +29,7 @@ from zeroray.engine.comm import Comm, InFlight
 from zeroray.engine.flat_group import FlatGroup
 from zeroray.engine.layout import TensorSlot
 from zeroray.engine.loss_scaler import LossScaler
+from zeroray.engine.param_guard import ParamGuard
 from zeroray.engine.reducer import GradReducer
 from zeroray.engine.schedule import UnitScheduler
 from zeroray.engine.sharded_optim import (
@@ -56,6 +59,9 @@ class GroupShard:
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
+# Modules whose parameters a live engine has turned into views of its buffers (until close()).
+_HELD: weakref.WeakKeyDictionary[nn.Module, ZeroEngine] = weakref.WeakKeyDictionary()
+
 
 class ZeroEngine:
     """One rank's ZeRO engine. Build it with :func:`zeroray.initialize`."""
@@ -79,6 +85,11 @@ class ZeroEngine:
         params = list(model.parameters())
         if not params:
             raise ValueError("the model has no parameters")
+        if any(m in _HELD for m in model.modules()):
+            raise RuntimeError(
+                f"this {type(model).__name__} (or a module in it) is already held by a ZeroEngine; call "
+                "engine.close() first (at stage 3 that also puts the full weights back into the parameters)"
+            )
         devices = {p.device for p in params}
         if len(devices) != 1 or next(iter(devices)).type == "meta":
             raise ValueError(f"all model parameters must be on one real device, found {sorted(map(str, devices))}")
@@ -150,12 +161,14 @@ class ZeroEngine:
 
         # ---- hooks
         self.scheduler: UnitScheduler | None = None
+        self._guard: ParamGuard | None = None
         units: list[Unit] = []
         if sharding.shards_params:
             root = Unit("root", model, unit_groups.get(None, []), root=True)
             units = [Unit(name, m, unit_groups.get(i, [])) for i, (name, m) in enumerate(self.units)]
             self.scheduler = UnitScheduler(model, root, units, config.comm.prefetch_bucket_size)
             units = [root, *units]
+            self._guard = ParamGuard(model, self.groups, {g: u.name for u in units for g in u.groups})
         self.reducer = GradReducer(
             self.groups,
             reduce_every_micro_step=sharding.shards_grads,
@@ -164,6 +177,9 @@ class ZeroEngine:
             units=units,
         )
         self.comm.reset()  # the report counts training traffic, not set-up
+        self._units = units
+        for m in model.modules():
+            _HELD[m] = self
 
     # ------------------------------------------------------------------ training
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -366,11 +382,51 @@ class ZeroEngine:
     def reset_comm_report(self) -> None:
         self.comm.reset()
 
+    @contextlib.contextmanager
+    def gathered_parameters(
+        self, params: nn.Parameter | Iterable[nn.Parameter] | None = None, modifier_rank: int | None = None
+    ) -> Iterator[None]:
+        """Collective: inside, ``params`` (default: all) hold their full values, at every stage.
+
+        With ``modifier_rank=r``, what rank r wrote into them inside reaches every rank's parameters,
+        shards and fp32 master weights on exit (DeepSpeed's ``GatheredParameters``); without it,
+        writes are discarded at stage 3. Like every collective, all ranks must enter it."""
+        if modifier_rank is not None and not 0 <= modifier_rank < self.world_size:
+            raise ValueError(f"modifier_rank {modifier_rank} is outside world size {self.world_size}")
+        groups = self.groups
+        if params is not None:
+            wanted = {id(p) for p in ([params] if isinstance(params, torch.Tensor) else params)}
+            known = {id(p) for g in self.groups for p in g.params}
+            if wanted - known:
+                raise ValueError(f"{len(wanted - known)} of the given parameters are not parameters of this engine's model")
+            groups = [g for g in self.groups if any(id(p) in wanted for p in g.params)]
+        units = [u for u in self._units if any(g in groups for g in u.groups)] if self.scheduler else []
+        for u in units:
+            u.hold()
+        try:
+            yield
+            if modifier_rank is not None:
+                with torch.no_grad():
+                    for g in groups:
+                        self.comm.broadcast(g.full, src=modifier_rank)
+                        g.adopt_full()
+        finally:
+            for u in units:
+                u.release()
+
     def close(self) -> None:
-        """Remove every hook zeroray put on the model."""
+        """Remove every hook zeroray put on the model. Stage 3 (collective): the parameters get
+        their full values back and stay gathered, so the model can be used, saved or wrapped again."""
         self.reducer.remove()
         if self.scheduler is not None:
             self.scheduler.remove()
+            for g in self.groups:
+                g.keep_gathered()
+        if self._guard is not None:
+            self._guard.remove()
+        for m in self.module.modules():
+            if _HELD.get(m) is self:
+                del _HELD[m]
 
 
 def initialize(

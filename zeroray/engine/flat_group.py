@@ -5,9 +5,10 @@ buffer), so the user's module runs unchanged. What this rank keeps persistently 
 config's :class:`~zeroray.config.Sharding` flags:
 
 - parameters: ``full`` (every parameter), or with ``shards_params`` only ``shard`` (its slice);
-  then ``full``'s storage is resized to zero between uses and gathered again on demand, and the
-  parameters point at a 0-element placeholder while freed, so touching one outside its unit's
-  forward/backward can never read freed memory;
+  then ``full``'s storage is resized to zero between uses and gathered again on demand. While
+  freed, each parameter points at a placeholder of its own shape over one NaN element (all strides
+  0): touching it outside its unit's forward/backward reads NaN (loud, never freed memory), writing
+  into it raises, and ``p.shape`` / ``p.numel()`` stay right for code that counts or checks them;
 - gradients (in the precision policy's ``reduce_dtype``): a full :class:`GradBuffer`, or with
   ``shards_grads`` only the gradient shard (stage 2-3 reduce from pooled temporaries);
 - the fp32 master shard (a view of the compute shard in plain fp32, its own tensor otherwise)
@@ -79,7 +80,8 @@ class FlatGroup:
         self.full = full
         self.state = ParamState.GATHERED
         self._gather: Handle | None = None
-        self._placeholder = torch.empty(0, dtype=compute_dtype, device=device)
+        # One element every freed parameter of this group points at (see _free_storage).
+        self._placeholder = torch.empty(1, dtype=compute_dtype, device=device)
 
     # ------------------------------------------------------------------ set-up (collective)
     def sync_from_rank0(self) -> None:
@@ -115,8 +117,11 @@ class FlatGroup:
 
     # ------------------------------------------------------------------ sharded params: gather / free
     def _free_storage(self) -> None:
-        for p in self.params:
-            p.data = self._placeholder
+        # Refilled at every free: fill_() on a placeholder (allowed on overlapping memory) must not
+        # turn the next reads into plausible numbers.
+        self._placeholder.fill_(float("nan") if self.compute_dtype.is_floating_point else 0)
+        for slot, p in zip(self.slots, self.params):
+            p.data = self._placeholder.as_strided(slot.shape, [0] * len(slot.shape))
         self.full.untyped_storage().resize_(0)
         self.state = ParamState.FREED
 
