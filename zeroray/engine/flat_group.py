@@ -209,13 +209,16 @@ class FlatGroup:
         return Handle()
 
     def adopt_full(self) -> None:
-        """Take ``full``'s values (gathered, then written by the user) as this rank's weights:
-        copy my slice into the shard and the master."""
+        """Take ``full``'s values (gathered, then written by the user) as this rank's weights: my
+        slice goes into the shard, and into the master where it differs from the master's cast
+        (elements nobody wrote keep their full master precision)."""
+        mine = self.full[self.lo : self.hi]
         with torch.no_grad():
-            if self.sharding.shards_params:  # else the shard is a view of full
-                self.shard.copy_(self.full[self.lo : self.hi])
             if self.master is not None and self.master is not self.shard:
-                self.master.copy_(self.shard)
+                changed = mine != self.master.to(self.compute_dtype)
+                self.master.copy_(torch.where(changed, mine.to(self.master.dtype), self.master))
+            if self.sharding.shards_params:  # else the shard is a view of full
+                self.shard.copy_(mine)
 
     def master_or_shard_fp32(self) -> torch.Tensor:
         """This rank's fp32 slice of the group's weights (frozen groups: cast of the shard)."""
