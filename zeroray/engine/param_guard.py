@@ -6,6 +6,7 @@ never crashes, but the error should name the parameter and the way out. Two plac
 - ``module.state_dict()`` / ``load_state_dict()``: hooks on each module that owns a sharded
   parameter (removed on ``engine.close()``). Inside ``engine.gathered_parameters()`` the state dict
   holds copies of the full values; outside it raises and names ``engine.full_state_dict()``.
+  ``state_dict(keep_vars=True)`` (the live parameter objects, e.g. to list names) is left alone.
 - a parameter used outside its unit's forward (another module reaching into a unit): the model's
   first forward runs under a :class:`~torch.overrides.TorchFunctionMode` (entered by the root
   pre-hook, left by an always-called post-hook) that checks the arguments of every torch call
@@ -80,16 +81,16 @@ class ParamGuard:
         self._hooks.append(model.register_forward_pre_hook(self._enter_check))
         self._hooks.append(model.register_forward_hook(self._leave_check, always_call=True))
 
-    def _sharded(self, module: nn.Module, prefix: str) -> list[tuple[str, _Owner]]:
+    def _sharded(self, module: nn.Module, prefix: str) -> list[tuple[str, nn.Parameter, _Owner]]:
         return [
-            (prefix + n, self.owners[id(p)])
+            (prefix + n, p, self.owners[id(p)])
             for n, p in module._parameters.items()
             if p is not None and id(p) in self.owners
         ]
 
     def _state_dict_hook(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
-        for key, owner in self._sharded(module, prefix):
-            if key not in state_dict:
+        for key, p, owner in self._sharded(module, prefix):
+            if key not in state_dict or state_dict[key] is p:  # keep_vars=True: the live objects, as asked
                 continue
             if owner.freed:
                 raise RuntimeError(
@@ -101,7 +102,7 @@ class ParamGuard:
             state_dict[key] = state_dict[key].detach().clone()  # the gathered memory is freed on exit
 
     def _load_hook(self, module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
-        for key, owner in self._sharded(module, prefix):
+        for key, _, owner in self._sharded(module, prefix):
             if key in state_dict and owner.freed:
                 raise RuntimeError(
                     f"zeroray stage 3: {key!r} is sharded across ranks, so load_state_dict() cannot write it. "
