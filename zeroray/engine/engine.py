@@ -177,7 +177,6 @@ class ZeroEngine:
             units=units,
         )
         self.comm.reset()  # the report counts training traffic, not set-up
-        self._units = units
         for m in model.modules():
             _HELD[m] = self
 
@@ -400,7 +399,7 @@ class ZeroEngine:
             if wanted - known:
                 raise ValueError(f"{len(wanted - known)} of the given parameters are not parameters of this engine's model")
             groups = [g for g in self.groups if any(id(p) in wanted for p in g.params)]
-        units = [u for u in self._units if any(g in groups for g in u.groups)] if self.scheduler else []
+        units = [u for u in self.scheduler.all_units if any(g in groups for g in u.groups)] if self.scheduler else []
         for u in units:
             u.hold()
         try:

@@ -59,6 +59,11 @@ class UnitScheduler:
             self._hooks.append(unit.module.register_forward_pre_hook(partial(self._pre_forward, unit)))
             self._hooks.append(unit.module.register_forward_hook(partial(self._post_forward, unit)))
 
+    @property
+    def all_units(self) -> list[Unit]:
+        """The root unit, then the units."""
+        return [self.root, *self.units]
+
     def _prefetch(self, order: list[Unit], start: int) -> None:
         budget = self.prefetch_numel
         for unit in order[start:]:
