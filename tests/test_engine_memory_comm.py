@@ -100,3 +100,22 @@ def test_memory_and_comm_match_the_paper(world: int) -> None:
         assert set(gloo) == {"all_reduce", "all_gather"}
         assert gloo["all_reduce"] == pytest.approx(2 * psi * 4, rel=0.02)  # counted twice its size
         assert gloo["all_gather"] == pytest.approx(psi * 4, rel=0.02)
+
+
+def test_fp32_reduction_under_bf16_counts_fp32_grads_as_the_estimate_does() -> None:
+    from zeroray.config import PrecisionPolicy
+    from zeroray.estimate import estimate
+
+    for stage in range(4):
+        torch.manual_seed(0)
+        model = Stack()
+        policy = PrecisionPolicy("bf16", reduce_dtype="fp32")
+        engine = zeroray.initialize(model, torch.optim.AdamW(model.parameters()), zeroray.ZeroConfig(stage=stage, precision=policy))
+        engine.backward(engine(torch.randn(4, 127, dtype=torch.bfloat16)).float())
+        engine.step()
+        psi = sum(p.numel() for p in Stack().parameters())
+        want = estimate(psi, 1, stage, "bf16", reduce_dtype="fp32")
+        mem = engine.memory_report()
+        assert mem["grads"] == pytest.approx(want["grads"], rel=0.05) and want["grads"] == 4 * psi
+        assert mem["params"] == pytest.approx(want["params"], rel=0.05)
+        engine.close()

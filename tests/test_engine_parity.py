@@ -6,15 +6,18 @@ parameter used twice per forward, sizes no world size divides; world sizes 1, 2,
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
 import torch
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zeroray
 from tests.dist_harness import run_ranks
 from tests.models import TinyLM, batches, param_groups
+from zeroray.config import PrecisionPolicy
 
 GAS, OPT_STEPS, CLIP, LR = 2, 3, 0.5, 1e-2
 
@@ -37,7 +40,7 @@ def _reference(rank: int, model: torch.nn.Module, data: list) -> tuple[list[floa
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, norms
 
 
-def _zero(model: torch.nn.Module, data: list, stage: int, precision: str) -> tuple[list[float], dict, list[float]]:
+def _zero(model: torch.nn.Module, data: list, stage: int, precision: str | PrecisionPolicy) -> tuple[list[float], dict, list[float]]:
     cfg = zeroray.ZeroConfig(
         stage=stage,
         precision=precision,
@@ -98,3 +101,75 @@ def test_stages_match_ddp_fp32(world: int) -> None:
             for stage in range(4):
                 losses, state, _ = res[(stage, "bf16")]
                 torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=3e-2, atol=3e-2)
+
+
+def _two_backwards(rank: int, world: int) -> dict:
+    """Two backwards before one step (accumulation 1): gradients add up, as DDP's do."""
+    data = batches(rank, 2)
+    torch.manual_seed(0)
+    init = TinyLM()
+    ddp_model = copy.deepcopy(init)
+    ddp = DDP(ddp_model)
+    opt = torch.optim.SGD(ddp_model.parameters(), lr=0.1)
+    for x, y in data:
+        ddp(x, y).backward()
+    opt.step()
+    out = {"ref": {n: p.detach().clone() for n, p in ddp_model.named_parameters()}}
+    for stage in range(4):
+        model = copy.deepcopy(init)
+        engine = zeroray.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), zeroray.ZeroConfig(stage=stage))
+        for x, y in data:
+            engine.backward(engine(x, y))
+        engine.step()
+        out[stage] = engine.full_state_dict()
+        engine.close()
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_two_backwards_before_a_step_add_up_at_every_stage(world: int) -> None:
+    for res in run_ranks(_two_backwards, world):
+        for stage in range(4):
+            for name, want in res["ref"].items():
+                torch.testing.assert_close(res[stage][name], want, msg=f"stage {stage} {name}")
+
+
+def _reduce_fp32(rank: int, world: int) -> dict:
+    """Gradients exact in bf16 (x times 1), whose sum over 4 micro-steps and 2 ranks is not: the
+    accumulation and reduction in fp32 keep what bf16 rounds away."""
+    gas = 4
+    g = torch.Generator().manual_seed(rank)
+    xs = [(torch.randn(1, 64, generator=g) * 2.0 ** torch.randint(-4, 4, (1, 64), generator=g)).bfloat16() for _ in range(gas)]
+    torch.manual_seed(0)
+    init = nn.Sequential(nn.Linear(64, 1, bias=False))
+    with torch.no_grad():
+        init[0].weight.copy_(init[0].weight.bfloat16().float())  # a start every precision holds exactly
+    ref = copy.deepcopy(init)
+    ddp = DDP(ref)
+    for i, x in enumerate(xs):
+        with ddp.no_sync() if i < gas - 1 else contextlib.nullcontext():
+            (ddp(x.float()).sum() / gas).backward()
+    torch.optim.SGD(ref.parameters(), lr=1.0).step()
+    out = {"ref": ref[0].weight.detach().clone()}
+    for stage in range(4):
+        for kind, precision in (("bf16", "bf16"), ("reduce_fp32", PrecisionPolicy("bf16", reduce_dtype="fp32"))):
+            model = copy.deepcopy(init)
+            cfg = zeroray.ZeroConfig(stage=stage, precision=precision, gradient_accumulation_steps=gas)
+            engine = zeroray.initialize(model, torch.optim.SGD(model.parameters(), lr=1.0), cfg)
+            for x in xs:
+                engine.backward(engine(x).float().sum())
+                engine.step()
+            out[(stage, kind)] = (engine.full_state_dict()["0.weight"], engine.memory_report())
+            engine.close()
+    return out
+
+
+def test_bf16_params_with_fp32_reduction_track_ddp_fp32_closer() -> None:
+    for res in run_ranks(_reduce_fp32, 2):
+        for stage in range(4):
+            bf16, bf16_mem = res[(stage, "bf16")]
+            fp32, fp32_mem = res[(stage, "reduce_fp32")]
+            err_bf16 = (bf16 - res["ref"]).abs().max().item()
+            err_fp32 = (fp32 - res["ref"]).abs().max().item()
+            assert err_fp32 < err_bf16 / 10, (stage, err_fp32, err_bf16)
+            assert fp32_mem["grads"] == 2 * bf16_mem["grads"] > 0  # fp32 gradient buffers or shards

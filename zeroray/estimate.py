@@ -70,13 +70,15 @@ def estimate(
     precision: Precision = "fp32",
     offload: Offload = "none",
     optimizer_bytes: int | None = None,
+    reduce_dtype: Precision | None = None,
 ) -> dict:
     """Per-rank model-state bytes, so a run can be sized before it is launched.
 
     Returns, for one ``stage``, ``{"params", "grads", "optimizer", "total", "offloaded",
     "offload_device"}`` (bytes; ``total`` is what stays on the device, ``offloaded`` what lives in
     host RAM or on NVMe). With ``stage=None``, a dict ``{stage: that dict}`` for stages 0-3.
-    ``optimizer_bytes`` overrides K (e.g. 4 for SGD with momentum in fp32).
+    ``optimizer_bytes`` overrides K (e.g. 4 for SGD with momentum in fp32). ``reduce_dtype``: the
+    gradients' precision when it differs from the parameters' (``PrecisionPolicy.reduce_dtype``).
     """
     numel = round(params)
     if numel < 1:
@@ -86,6 +88,8 @@ def estimate(
     if offload not in ("none", "cpu", "nvme"):
         raise ValueError(f"offload must be 'none', 'cpu' or 'nvme', got {offload!r}")
     p, g, k = precision_bytes(precision, optimizer_bytes)
+    if reduce_dtype is not None:
+        g = precision_bytes(reduce_dtype)[0]
     if stage is None:
         return {s: _one_stage(numel, world_size, s, p, g, k, offload) for s in STAGES}
     if stage not in STAGES:

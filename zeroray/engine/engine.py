@@ -13,7 +13,9 @@ start all ranks from rank 0's weights, rebuild the optimizer over the shards, in
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import weakref
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,11 +26,12 @@ from torch import nn
 from zeroray.config import ZeroConfig
 from zeroray.engine import units as unit_plan
 from zeroray.engine.comm import Comm, InFlight
-from zeroray.engine.fetch import UnitFetcher
 from zeroray.engine.flat_group import FlatGroup
 from zeroray.engine.layout import TensorSlot
 from zeroray.engine.loss_scaler import LossScaler
+from zeroray.engine.param_guard import ParamGuard
 from zeroray.engine.reducer import GradReducer
+from zeroray.engine.schedule import UnitScheduler
 from zeroray.engine.sharded_optim import (
     OptimizerArg,
     param_group_index,
@@ -36,6 +39,7 @@ from zeroray.engine.sharded_optim import (
     state_tensors,
     template_optimizer,
 )
+from zeroray.engine.unit import Unit
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,9 @@ class GroupShard:
 
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+# Modules whose parameters a live engine has turned into views of its buffers (until close()).
+_HELD: weakref.WeakKeyDictionary[nn.Module, ZeroEngine] = weakref.WeakKeyDictionary()
 
 
 class ZeroEngine:
@@ -78,6 +85,11 @@ class ZeroEngine:
         params = list(model.parameters())
         if not params:
             raise ValueError("the model has no parameters")
+        if any(m in _HELD for m in model.modules()):
+            raise RuntimeError(
+                f"this {type(model).__name__} (or a module in it) is already held by a ZeroEngine; call "
+                "engine.close() first (at stage 3 that also puts the full weights back into the parameters)"
+            )
         devices = {p.device for p in params}
         if len(devices) != 1 or next(iter(devices)).type == "meta":
             raise ValueError(f"all model parameters must be on one real device, found {sorted(map(str, devices))}")
@@ -89,7 +101,11 @@ class ZeroEngine:
 
         self.module = model
         self.stage = config.stage
-        self.compute_dtype = _DTYPES[config.precision.param_dtype]
+        self.sharding = sharding = config.sharding
+        precision = config.precision
+        self.compute_dtype = _DTYPES[precision.param_dtype]
+        self.reduce_dtype = _DTYPES[precision.reduce_dtype or precision.param_dtype]
+        self.master_dtype = _DTYPES[precision.master_dtype]
         self.gradient_accumulation_steps = config.gradient_accumulation_steps
         self.comm = Comm(process_group, config.comm.reduce_scatter, config.comm.all_gather_by_broadcast)
         self.process_group = process_group  # None at world size 1 without torch.distributed
@@ -101,29 +117,31 @@ class ZeroEngine:
         self.loss_scaler = LossScaler(config)
 
         # ---- layout
-        if self.stage == 3:
+        if sharding.shards_params:
             self.units = unit_plan.find_units(model, config.units)
             plans = unit_plan.plan_units(model, self.units, group_of)
         else:
             self.units = []
             plans = unit_plan.plan_buckets(model, group_of, config.comm.reduce_bucket_size)
         self.groups: list[FlatGroup] = []
-        group_unit: dict[FlatGroup, int | None] = {}
+        unit_groups: dict[int | None, list[FlatGroup]] = {}
         for plan in plans:
-            dtype = self.compute_dtype if plan.params[0][1].is_floating_point() else plan.params[0][1].dtype
+            floating = plan.params[0][1].is_floating_point()
+            dtype = self.compute_dtype if floating else plan.params[0][1].dtype
             g = FlatGroup(
                 plan.name,
                 plan.params,
                 self.comm,
-                stage=self.stage,
+                sharding=sharding,
                 compute_dtype=dtype,
+                reduce_dtype=self.reduce_dtype if floating else dtype,
                 trainable=plan.param_group is not None,
                 param_group=plan.param_group,
             )
             g.sync_from_rank0()
-            g.install(master_dtype=torch.float32 if dtype.is_floating_point else dtype)
+            g.install(master_dtype=self.master_dtype if floating else dtype)
             self.groups.append(g)
-            group_unit[g] = plan.unit
+            unit_groups.setdefault(plan.unit, []).append(g)
         with torch.no_grad():
             for b in model.buffers():
                 if b.is_floating_point():
@@ -142,19 +160,25 @@ class ZeroEngine:
             self.lr_scheduler = None
 
         # ---- hooks
-        self.fetcher = (
-            UnitFetcher(model, self.units, self.groups, group_unit, config.comm.prefetch_bucket_size)
-            if self.stage == 3
-            else None
-        )
+        self.scheduler: UnitScheduler | None = None
+        self._guard: ParamGuard | None = None
+        units: list[Unit] = []
+        if sharding.shards_params:
+            root = Unit("root", model, unit_groups.get(None, []), root=True)
+            units = [Unit(name, m, unit_groups.get(i, [])) for i, (name, m) in enumerate(self.units)]
+            self.scheduler = UnitScheduler(model, root, units, config.comm.prefetch_bucket_size)
+            units = [root, *units]
+            self._guard = ParamGuard(model, self.groups, {g: u.name for u in units for g in u.groups})
         self.reducer = GradReducer(
             self.groups,
-            stage=self.stage,
+            reduce_every_micro_step=sharding.shards_grads,
             overlap=config.comm.overlap_comm,
             max_inflight=config.comm.reduce_bucket_size,
-            on_reduced=self.fetcher.on_reduced if self.fetcher else None,
+            units=units,
         )
         self.comm.reset()  # the report counts training traffic, not set-up
+        for m in model.modules():
+            _HELD[m] = self
 
     # ------------------------------------------------------------------ training
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -172,8 +196,8 @@ class ZeroEngine:
         self.reducer.begin(self.is_gradient_accumulation_boundary())
         (loss * scale if scale != 1 else loss).backward()
         self.reducer.finish()
-        if self.fetcher is not None:
-            self.fetcher.after_backward()
+        if self.scheduler is not None:
+            self.scheduler.after_backward()
 
     def step(self) -> None:
         """Call after every micro-batch; applies the optimizer only at accumulation boundaries."""
@@ -182,7 +206,8 @@ class ZeroEngine:
         if not boundary:
             return
         trainable = [g for g in self.groups if g.trainable]
-        grads = {g: g.grad_shard.float() if g.grad_shard.dtype != torch.float32 else g.grad_shard for g in trainable}
+        # One cast from the reduce dtype into the optimizer's (fp32) gradients.
+        grads = {g: g.grad_shard if g.grad_shard.dtype == g.master.dtype else g.grad_shard.to(g.master.dtype) for g in trainable}
         if self.loss_scaler.scale != 1.0:
             inv = 1.0 / self.loss_scaler.scale
             for t in grads.values():
@@ -216,7 +241,7 @@ class ZeroEngine:
         sq = torch.zeros(1, dtype=torch.float32, device=self.device)
         for t in grads.values():
             sq += t.pow(2).sum()
-        if self.stage > 0:
+        if self.sharding.shards_optimizer:  # each rank holds a shard of the gradients
             self.comm.sum_scalar(sq)
         norm = sq.sqrt()
         self.last_grad_norm = float(norm)
@@ -356,11 +381,51 @@ class ZeroEngine:
     def reset_comm_report(self) -> None:
         self.comm.reset()
 
+    @contextlib.contextmanager
+    def gathered_parameters(
+        self, params: nn.Parameter | Iterable[nn.Parameter] | None = None, modifier_rank: int | None = None
+    ) -> Iterator[None]:
+        """Collective: inside, ``params`` (default: all) hold their full values, at every stage.
+
+        With ``modifier_rank=r``, what rank r wrote into them inside reaches every rank's parameters,
+        shards and fp32 master weights on exit (DeepSpeed's ``GatheredParameters``); without it,
+        writes are discarded at stage 3. Like every collective, all ranks must enter it."""
+        if modifier_rank is not None and not 0 <= modifier_rank < self.world_size:
+            raise ValueError(f"modifier_rank {modifier_rank} is outside world size {self.world_size}")
+        groups = self.groups
+        if params is not None:
+            wanted = {id(p) for p in ([params] if isinstance(params, torch.Tensor) else params)}
+            known = {id(p) for g in self.groups for p in g.params}
+            if wanted - known:
+                raise ValueError(f"{len(wanted - known)} of the given parameters are not parameters of this engine's model")
+            groups = [g for g in self.groups if any(id(p) in wanted for p in g.params)]
+        units = [u for u in self.scheduler.all_units if any(g in groups for g in u.groups)] if self.scheduler else []
+        for u in units:
+            u.hold()
+        try:
+            yield
+            if modifier_rank is not None:
+                with torch.no_grad():
+                    for g in groups:
+                        self.comm.broadcast(g.full, src=modifier_rank)
+                        g.adopt_full()
+        finally:
+            for u in units:
+                u.release()
+
     def close(self) -> None:
-        """Remove every hook zeroray put on the model."""
+        """Remove every hook zeroray put on the model. Stage 3 (collective): the parameters get
+        their full values back and stay gathered, so the model can be used, saved or wrapped again."""
         self.reducer.remove()
-        if self.fetcher is not None:
-            self.fetcher.remove()
+        if self.scheduler is not None:
+            self.scheduler.remove()
+            for g in self.groups:
+                g.keep_gathered()
+        if self._guard is not None:
+            self._guard.remove()
+        for m in self.module.modules():
+            if _HELD.get(m) is self:
+                del _HELD[m]
 
 
 def initialize(

@@ -1,13 +1,18 @@
 """FlatGroup: a set of parameters laid out in one flat, padded buffer, sharded across ranks.
 
 Each ``nn.Parameter`` in the group becomes a view into ``full`` (the compute-precision flat
-buffer), so the user's module runs unchanged. This rank persistently keeps:
+buffer), so the user's module runs unchanged. What this rank keeps persistently follows the
+config's :class:`~zeroray.config.Sharding` flags:
 
-- stage 0-2: ``full`` (every parameter), stage 3: only ``shard`` (its slice); ``full``'s storage is
-  resized to zero between uses and gathered again on demand (the views stay valid);
-- stage 0-1: a full flat gradient buffer, stage 2-3: only the gradient shard;
-- the fp32 master shard (a view of the compute shard in fp32 runs, its own tensor otherwise) that
-  the optimizer updates; the optimizer's states are shaped like it.
+- parameters: ``full`` (every parameter), or with ``shards_params`` only ``shard`` (its slice);
+  then ``full``'s storage is resized to zero between uses and gathered again on demand. While
+  freed, each parameter points at a placeholder of its own shape over one NaN element (all strides
+  0): touching it outside its unit's forward/backward reads NaN (loud, never freed memory), writing
+  into it raises, and ``p.shape`` / ``p.numel()`` stay right for code that counts or checks them;
+- gradients (in the precision policy's ``reduce_dtype``): a full :class:`GradBuffer`, or with
+  ``shards_grads`` only the gradient shard (stage 2-3 reduce from pooled temporaries);
+- the fp32 master shard (a view of the compute shard in plain fp32, its own tensor otherwise)
+  that the optimizer updates; the optimizer's states are shaped like it.
 
 Which slice a rank owns comes from :mod:`zeroray.engine.layout`.
 """
@@ -20,8 +25,10 @@ from enum import Enum
 import torch
 from torch import nn
 
+from zeroray.config import Sharding
 from zeroray.engine import layout
 from zeroray.engine.comm import Comm, Handle
+from zeroray.engine.grad_buffer import GradBuffer
 
 
 class ParamState(Enum):
@@ -39,29 +46,32 @@ class FlatGroup:
         params: Sequence[tuple[str, nn.Parameter]],
         comm: Comm,
         *,
-        stage: int,
+        sharding: Sharding,
         compute_dtype: torch.dtype,
+        reduce_dtype: torch.dtype,
         trainable: bool,
         param_group: int | None,
     ):
         self.name = name
         self.comm = comm
-        self.stage = stage
+        self.sharding = sharding
         self.trainable = trainable
         self.param_group = param_group
         self.params = [p for _, p in params]
         self.param_names = [n for n, _ in params]
         self.slots = layout.build_slots(self.param_names, [tuple(p.shape) for p in self.params])
         self.numel = layout.group_numel(self.slots)
-        # Stage 0 shards nothing: one "shard" that is the whole group.
-        self.shard_world = 1 if stage == 0 else comm.world_size
-        self.shard_rank = 0 if stage == 0 else comm.rank
+        # Without sharding (stage 0): one "shard" that is the whole group.
+        sharded = sharding.shards_optimizer
+        self.shard_world = comm.world_size if sharded else 1
+        self.shard_rank = comm.rank if sharded else 0
         self.padded = layout.padded_numel(self.numel, self.shard_world)
         self.lo, self.hi = layout.shard_range(self.numel, self.shard_world, self.shard_rank)
         self.shard_numel = self.hi - self.lo
         device = self.params[0].device
         self.device = device
         self.compute_dtype = compute_dtype
+        self.reduce_dtype = reduce_dtype
 
         full = torch.zeros(self.padded, dtype=compute_dtype, device=device)
         with torch.no_grad():
@@ -70,6 +80,8 @@ class FlatGroup:
         self.full = full
         self.state = ParamState.GATHERED
         self._gather: Handle | None = None
+        # One element every freed parameter of this group points at (see _free_storage).
+        self._placeholder = torch.empty(1, dtype=compute_dtype, device=device)
 
     # ------------------------------------------------------------------ set-up (collective)
     def sync_from_rank0(self) -> None:
@@ -78,30 +90,38 @@ class FlatGroup:
 
     def install(self, master_dtype: torch.dtype) -> None:
         """Point the parameters at ``full``, cut this rank's shard, make master and grad buffers."""
-        for slot, p in zip(self.slots, self.params):
-            p.data = self.full[slot.offset : slot.end].view(slot.shape)
-        if self.stage == 3:
+        self._point_params_at_full()
+        if self.sharding.shards_params:
             self.shard = self.full[self.lo : self.hi].clone()
         else:
             self.shard = self.full[self.lo : self.hi]
+        self.grads: GradBuffer | None = None  # the persistent full gradient buffer (unsharded grads)
         if not self.trainable:
             self.master = None
-            self.grad_full = self.grad_shard = None
+            self.grad_shard = None
         else:
-            # Stage 0 in fp32 updates the parameters in place; other cases keep an fp32 copy.
+            # Plain fp32 without a copy updates the compute shard in place; other cases keep an fp32 copy.
             self.master = self.shard if master_dtype == self.compute_dtype else self.shard.to(master_dtype)
-            if self.stage <= 1:
-                self.grad_full = torch.zeros(self.padded, dtype=self.compute_dtype, device=self.device)
-                self.grad_fresh = True
-                self.grad_shard = self.grad_full[self.lo : self.hi]
+            if not self.sharding.shards_grads:
+                data = torch.zeros(self.padded, dtype=self.reduce_dtype, device=self.device)
+                self.grads = GradBuffer(data, self.slots, self.numel)
+                self.grad_shard = data[self.lo : self.hi]
             else:
-                self.grad_full = None
-                self.grad_shard = torch.zeros(self.shard_numel, dtype=self.compute_dtype, device=self.device)
-        if self.stage == 3:
+                self.grad_shard = torch.zeros(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
+        if self.sharding.shards_params:
             self._free_storage()
 
-    # ------------------------------------------------------------------ stage 3: gather / free
+    def _point_params_at_full(self) -> None:
+        for slot, p in zip(self.slots, self.params):
+            p.data = self.full[slot.offset : slot.end].view(slot.shape)
+
+    # ------------------------------------------------------------------ sharded params: gather / free
     def _free_storage(self) -> None:
+        # Refilled at every free: fill_() on a placeholder (allowed on overlapping memory) must not
+        # turn the next reads into plausible numbers.
+        self._placeholder.fill_(float("nan") if self.compute_dtype.is_floating_point else 0)
+        for slot, p in zip(self.slots, self.params):
+            p.data = self._placeholder.as_strided(slot.shape, [0] * len(slot.shape))
         self.full.untyped_storage().resize_(0)
         self.state = ParamState.FREED
 
@@ -119,51 +139,63 @@ class FlatGroup:
         if self.state is ParamState.GATHERING:
             self._gather.wait()
             self._gather = None
+            self._point_params_at_full()
             self.state = ParamState.GATHERED
 
     def free(self) -> None:
-        """Drop the full parameters (stage 3 only); waits for an in-flight gather first."""
-        if self.stage != 3 or self.state is ParamState.FREED:
+        """Drop the full parameters (sharded params only); waits for an in-flight gather first."""
+        if not self.sharding.shards_params or self.state is ParamState.FREED:
             return
         if self.state is ParamState.GATHERING:
             self.wait_gather()
         self._free_storage()
 
+    def keep_gathered(self) -> None:
+        """Gather and stop sharding the parameters for good (the engine is closing)."""
+        self.wait_gather()
+        self.sharding = Sharding(self.sharding.shards_optimizer, self.sharding.shards_grads, shards_params=False)
+
     # ------------------------------------------------------------------ gradients
-    def grad_buffer(self) -> tuple[torch.Tensor | None, bool]:
-        """The persistent flat gradient buffer (stages 0-1; None at 2-3, which reduce from a
-        temporary) and whether its contents are stale (``fresh``: the first gradient of each slot
-        is copied, not added, and untouched slots are zeroed by :meth:`seal`)."""
-        return self.grad_full, self.grad_fresh if self.grad_full is not None else True
+    def open_grads(self) -> GradBuffer | None:
+        """The persistent gradient buffer, ready for this backward's gradients (None when the
+        gradients are sharded: the reducer hands out a temporary from its pool)."""
+        if self.grads is not None:
+            self.grads.reopen(self.lo, self.hi, self.comm.world_size, sharded=self.shard_world > 1)
+        return self.grads
 
-    def seal(self, buf: torch.Tensor, written: Sequence[bool]) -> None:
-        """Zero the parts of a fresh buffer that no gradient was copied into."""
-        for slot, w in zip(self.slots, written):
-            if not w:
-                buf[slot.offset : slot.end].zero_()
-        buf[self.numel :].zero_()
-        if buf is self.grad_full:
-            self.grad_fresh = False
+    def new_grad_buffer(self, data: torch.Tensor | None = None) -> GradBuffer:
+        """A temporary gradient buffer for sharded gradients, over ``data`` (a pooled tensor of
+        ``padded`` elements) or a new one."""
+        if data is None:
+            data = torch.empty(self.padded, dtype=self.reduce_dtype, device=self.device)
+        return GradBuffer(data, self.slots, self.numel)
 
-    def reduce(self, buf: torch.Tensor, async_op: bool) -> Handle:
+    def reduce(self, buf: GradBuffer, async_op: bool) -> Handle:
         """Average ``buf`` across ranks into this rank's gradient shard (accumulating)."""
+        persistent = buf is self.grads
+        if persistent:
+            buf.reopen(self.lo, self.hi, self.comm.world_size, sharded=self.shard_world > 1)
+        buf.seal()
+        data = buf.data
         comm = self.comm
         inv = 1.0 / comm.world_size
+        if persistent:
+            buf.mark_reduced()
         if self.shard_world == 1 or not comm.use_reduce_scatter:
-            h = comm.all_reduce(buf, async_op=async_op)
-            if buf is self.grad_full:  # grad_shard is a view of it: average just that part
+            h = comm.all_reduce(data, async_op=async_op)
+            if persistent:  # grad_shard is a view of it: average just that part
                 return h.then(lambda: self.grad_shard.mul_(inv)) if inv != 1.0 else h
             lo, hi = self.lo, self.hi
-            return h.then(lambda: self.grad_shard.add_(buf[lo:hi], alpha=inv))
-        out = torch.empty(self.shard_numel, dtype=buf.dtype, device=buf.device)
-        h = comm.reduce_scatter(out, buf, async_op=async_op)
-        if buf is self.grad_full:
+            return h.then(lambda: self.grad_shard.add_(data[lo:hi], alpha=inv))
+        out = torch.empty(self.shard_numel, dtype=data.dtype, device=data.device)
+        h = comm.reduce_scatter(out, data, async_op=async_op)
+        if persistent:
             return h.then(lambda: torch.mul(out, inv, out=self.grad_shard))
         return h.then(lambda: self.grad_shard.add_(out, alpha=inv))
 
     def zero_grad(self) -> None:
-        if self.grad_full is not None:
-            self.grad_fresh = True  # overwritten, not added to, by the next backward
+        if self.grads is not None:
+            self.grads.clear()  # overwritten, not added to, by the next backward
         elif self.grad_shard is not None:
             self.grad_shard.zero_()
 
@@ -172,9 +204,21 @@ class FlatGroup:
         """Cast the updated master shard into the compute shard and share it with the other ranks."""
         if self.master is not None and self.master is not self.shard:
             self.shard.copy_(self.master)
-        if self.stage in (1, 2):
+        if self.sharding.shards_optimizer and not self.sharding.shards_params:
             return self.comm.all_gather(self.full, self.shard, async_op=True)
         return Handle()
+
+    def adopt_full(self) -> None:
+        """Take ``full``'s values (gathered, then written by the user) as this rank's weights: my
+        slice goes into the shard, and into the master where it differs from the master's cast
+        (elements nobody wrote keep their full master precision)."""
+        mine = self.full[self.lo : self.hi]
+        with torch.no_grad():
+            if self.master is not None and self.master is not self.shard:
+                changed = mine != self.master.to(self.compute_dtype)
+                self.master.copy_(torch.where(changed, mine.to(self.master.dtype), self.master))
+            if self.sharding.shards_params:  # else the shard is a view of full
+                self.shard.copy_(mine)
 
     def master_or_shard_fp32(self) -> torch.Tensor:
         """This rank's fp32 slice of the group's weights (frozen groups: cast of the shard)."""
@@ -183,14 +227,17 @@ class FlatGroup:
 
     # ------------------------------------------------------------------ accounting
     def param_bytes(self) -> int:
-        t = self.full if self.stage < 3 else self.shard
+        t = self.shard if self.sharding.shards_params else self.full
         return t.numel() * t.element_size()
 
     def grad_bytes(self) -> int:
-        t = self.grad_full if self.grad_full is not None else self.grad_shard
+        if self.grads is not None:
+            return self.grads.nbytes
+        t = self.grad_shard
         return 0 if t is None else t.numel() * t.element_size()
 
     def master_bytes(self) -> int:
         if self.master is None or self.master is self.shard:
             return 0
         return self.master.numel() * self.master.element_size()
+

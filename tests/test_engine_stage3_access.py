@@ -1,0 +1,247 @@
+"""Stage 3: touching parameters outside forward/backward never crashes (issue #8).
+
+Every case runs in its own spawned process: a SIGSEGV there fails the test instead of killing
+pytest. A freed parameter reads as NaN, refuses writes, and the calls that zeroray can see
+(state_dict, load_state_dict, a parameter used outside its unit, a second initialize) raise errors
+naming the parameter and the way out.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import io
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import zeroray
+from tests.dist_harness import run_ranks
+from tests.models import TinyLM, batches, param_groups
+
+
+def _engine(stage: int = 3, model: nn.Module | None = None, **cfg) -> tuple[nn.Module, zeroray.ZeroEngine]:
+    torch.manual_seed(0)
+    model = model if model is not None else TinyLM()
+    engine = zeroray.initialize(model, torch.optim.AdamW(param_groups(model), lr=1e-2), zeroray.ZeroConfig(stage=stage, **cfg))
+    return model, engine
+
+
+def _train(engine: zeroray.ZeroEngine, rank: int, steps: int = 2) -> None:
+    for x, y in batches(rank, steps):
+        engine.backward(engine(x, y))
+        engine.step()
+
+
+def _touch(rank: int, world: int, case: str) -> str:
+    model, engine = _engine()
+    _train(engine, rank)
+    p = model.h[0].fc.weight
+    try:
+        if case == "sum":
+            return f"value {float(p.sum())}"
+        if case == "print":
+            return f"printed {len(str(p))}"
+        if case == "clone":
+            c = p.detach().clone()
+            return f"clone {tuple(c.shape)} {float(c.sum())}"
+        if case == "copy_":
+            with torch.no_grad():
+                p.copy_(torch.ones(p.shape))
+            return "copied"
+        if case == "clip_grad_norm_":
+            return f"norm {float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))}"
+        if case == "state_dict":
+            model.state_dict()
+            return "no error"
+        if case == "torch.save":
+            buf = io.BytesIO()
+            torch.save(model.state_dict(), buf)
+            return "no error"
+        if case == "initialize_again":
+            zeroray.initialize(model, torch.optim.AdamW(model.parameters()), zeroray.ZeroConfig(stage=3))
+            return "no error"
+        if case == "load_state_dict":
+            model.load_state_dict(engine.full_state_dict())
+            return "no error"
+    except RuntimeError as e:
+        return f"error {e}"
+    raise AssertionError(case)
+
+
+@pytest.mark.parametrize(
+    "case, expect",
+    [
+        ("sum", "value nan"),
+        ("print", "printed"),
+        ("clone", "clone (40, 13) nan"),
+        ("copy_", "error unsupported operation: more than one element of the written-to tensor"),
+        ("clip_grad_norm_", "norm 0.0"),  # zeroray keeps no .grad on parameters; engine.last_grad_norm
+        ("state_dict", "error zeroray stage 3: 'wte.weight' is sharded across ranks"),
+        ("torch.save", "error zeroray stage 3: 'wte.weight' is sharded across ranks"),
+        ("load_state_dict", "error zeroray stage 3: 'wpe' is sharded across ranks, so load_state_dict()"),
+        ("initialize_again", "error this TinyLM (or a module in it) is already held by a ZeroEngine; call engine.close() first"),
+    ],
+)
+def test_touching_a_freed_parameter_does_not_crash(case: str, expect: str) -> None:
+    (got,) = run_ranks(_touch, 1, case)
+    assert got.startswith(expect), got
+
+
+def _state_dict_inside_gathered(rank: int, world: int) -> dict:
+    model, engine = _engine()
+    _train(engine, rank)
+    full = engine.full_state_dict()
+    with engine.gathered_parameters():
+        sd = model.state_dict()
+    buf = io.BytesIO()
+    torch.save(sd, buf)  # the file loads: real values, not views of freed memory
+    buf.seek(0)
+    loaded = torch.load(buf)
+    return {"full": full, "loaded": {k: v for k, v in loaded.items() if k in full}, "keys": sorted(loaded)}
+
+
+def test_state_dict_inside_gathered_parameters_holds_the_full_weights() -> None:
+    for r in run_ranks(_state_dict_inside_gathered, 2):
+        assert set(r["loaded"]) == set(r["full"])
+        for k, v in r["full"].items():
+            torch.testing.assert_close(r["loaded"][k], v, rtol=0, atol=0)
+
+
+def _gathered_modifier(rank: int, world: int, stage: int, precision: str) -> dict:
+    model, engine = _engine(stage, precision=precision)
+    _train(engine, rank)
+    before = engine.full_state_dict()
+    fc = model.h[1].fc
+    with engine.gathered_parameters([fc.weight, fc.bias], modifier_rank=1):
+        seen = fc.weight.detach().float().clone()
+        with torch.no_grad():
+            fc.weight.fill_(0.5 + rank)  # only rank 1's write counts
+            fc.bias.zero_()
+    after = engine.full_state_dict()
+    with engine.gathered_parameters():
+        everything = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    _train(engine, rank, 1)  # training goes on from the new values
+    return {"before": before, "seen": seen, "after": after, "everything": everything, "trained": engine.full_state_dict()}
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_gathered_parameters_with_modifier_rank_reaches_every_shard_and_master(stage: int) -> None:
+    for precision in ("fp32", "bf16"):
+        results = run_ranks(_gathered_modifier, 2, stage, precision)
+        for r in results:
+            dtype = torch.float32 if precision == "fp32" else torch.bfloat16  # the compute copy's values
+            torch.testing.assert_close(r["seen"], r["before"]["h.1.fc.weight"].to(dtype).float(), rtol=0, atol=0)
+            assert torch.all(r["after"]["h.1.fc.weight"] == 1.5) and torch.all(r["after"]["h.1.fc.bias"] == 0)
+            for name, value in r["before"].items():
+                if not name.startswith("h.1.fc."):
+                    torch.testing.assert_close(r["after"][name], value, rtol=0, atol=0)
+                torch.testing.assert_close(r["everything"][name], r["after"][name].to(r["everything"][name].dtype), rtol=0, atol=1e-2 if precision == "bf16" else 0)
+            assert not torch.equal(r["trained"]["h.1.fc.weight"], r["after"]["h.1.fc.weight"])
+        for name in results[0]["trained"]:  # ranks agree
+            torch.testing.assert_close(results[0]["trained"][name], results[1]["trained"][name], rtol=0, atol=0)
+
+
+def _close_and_again(rank: int, world: int) -> dict:
+    model, engine = _engine()
+    _train(engine, rank)
+    full = engine.full_state_dict()
+    engine.close()
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    sd = model.state_dict()  # hooks are gone: plain module again
+    engine2 = zeroray.initialize(model, torch.optim.AdamW(param_groups(model), lr=1e-2), zeroray.ZeroConfig(stage=3))
+    again = engine2.full_state_dict()
+    _train(engine2, rank)
+    return {"full": full, "params": params, "sd": sorted(sd), "again": again, "loss": float(engine2(*batches(rank, 1)[0]))}
+
+
+def test_close_puts_full_weights_back_and_the_model_can_be_wrapped_again() -> None:
+    for r in run_ranks(_close_and_again, 2):
+        for name, value in r["full"].items():
+            torch.testing.assert_close(r["params"][name], value, rtol=0, atol=0)
+            torch.testing.assert_close(r["again"][name], value, rtol=0, atol=0)
+        assert "wte.weight" in r["sd"]
+        assert math.isfinite(r["loss"])
+
+
+@dataclasses.dataclass
+class BlockOut:
+    hidden: torch.Tensor
+    aux: float
+
+
+class DataclassBlock(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> BlockOut:
+        return BlockOut(torch.tanh(self.fc(x)), 1.0)
+
+
+class DataclassNet(nn.Module):
+    def __init__(self, d: int = 8, n: int = 3):
+        super().__init__()
+        self.blocks = nn.ModuleList(DataclassBlock(d) for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x).hidden
+        return x.pow(2).mean()
+
+
+def _dataclass_outputs(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    init = DataclassNet()
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    out = {}
+    for stage in (0, 3):
+        model = copy.deepcopy(init)
+        engine = zeroray.initialize(model, torch.optim.SGD(model.parameters(), lr=0.5), zeroray.ZeroConfig(stage=stage))
+        losses = []
+        for _ in range(3):
+            loss = engine(x)
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(loss))
+        out[stage] = (losses, engine.full_state_dict())
+    return out
+
+
+def test_units_returning_dataclasses_train_like_stage_0() -> None:
+    for r in run_ranks(_dataclass_outputs, 2):
+        torch.testing.assert_close(torch.tensor(r[3][0]), torch.tensor(r[0][0]))
+        for name, value in r[0][1].items():
+            torch.testing.assert_close(r[3][1][name], value)
+
+
+class ReachesIntoAUnit(nn.Module):
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(d, d) for _ in range(2))
+        self.out = nn.Linear(d, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = torch.tanh(b(x))
+        x = x @ self.blocks[0].weight  # blocks.0's weight, used outside blocks.0's forward
+        return self.out(x).mean()
+
+
+def _cross_unit(rank: int, world: int) -> str:
+    torch.manual_seed(0)
+    model = ReachesIntoAUnit()
+    engine = zeroray.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), zeroray.ZeroConfig(stage=3))
+    try:
+        engine.backward(engine(torch.randn(2, 8)))
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_unit_parameter_used_by_another_module_is_named() -> None:
+    msg = run_ranks(_cross_unit, 2)[0]
+    assert "parameter 'blocks.0.weight' of unit 'blocks.0' was used by matmul() outside that unit's forward" in msg
+    assert "ZeroConfig(units=" in msg

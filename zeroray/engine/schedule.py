@@ -1,0 +1,129 @@
+"""UnitScheduler: when stage-3 units gather and free, and what is prefetched.
+
+Hooks on the user's modules (removed by ``remove()``; nothing is patched):
+
+- the model's forward pre-hook gathers the root unit; its post-hook records this forward's unit
+  order (the prefetch order of the next forward and, reversed, of the backward) and frees what was
+  prefetched but not used, and the root when no backward will follow;
+- a unit's forward pre-hook gathers it (usually prefetched already) and prefetches the next units
+  in the last forward's order, up to ``prefetch_bucket_size`` elements; its post-hook frees it
+  and hooks its outputs, so the gradient arriving at them gathers the unit again for its backward
+  and prefetches the next one in backward order;
+- the reducer tells each unit when its groups are reduced (see :class:`~zeroray.engine.unit.Unit`);
+  ``after_backward()`` frees everything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Sequence
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from zeroray.engine.unit import Unit
+
+
+def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
+    """The tensors in a module's output: nested lists, tuples, dicts and dataclasses."""
+    if torch.is_tensor(obj):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            yield from tensors_in(o)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            yield from tensors_in(o)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from tensors_in(getattr(obj, f.name))
+
+
+class UnitScheduler:
+    def __init__(self, model: nn.Module, root: Unit, units: Sequence[Unit], prefetch_numel: int):
+        self.root = root
+        self.units = list(units)
+        self.prefetch_numel = prefetch_numel
+        self.order: list[Unit] = list(self.units)  # unit order of the last forward
+        self._fwd: list[Unit] = []
+        self._bwd_order: list[Unit] = []
+        self._bwd_pos = 0
+        self._hooks: list[RemovableHandle] = [
+            model.register_forward_pre_hook(self._root_pre),
+            model.register_forward_hook(self._root_post),
+        ]
+        for unit in self.units:
+            self._hooks.append(unit.module.register_forward_pre_hook(partial(self._pre_forward, unit)))
+            self._hooks.append(unit.module.register_forward_hook(partial(self._post_forward, unit)))
+
+    @property
+    def all_units(self) -> list[Unit]:
+        """The root unit, then the units."""
+        return [self.root, *self.units]
+
+    def _prefetch(self, order: list[Unit], start: int) -> None:
+        budget = self.prefetch_numel
+        for unit in order[start:]:
+            if budget <= 0:
+                break
+            unit.prefetch()
+            budget -= unit.numel
+
+    # ------------------------------------------------------------------ forward
+    def _root_pre(self, module: nn.Module, args: Any) -> None:
+        self._fwd = []
+        self.root.pre_forward()
+
+    def _pre_forward(self, unit: Unit, module: nn.Module, args: Any) -> None:
+        self._fwd.append(unit)
+        unit.pre_forward()
+        pos = len(self._fwd)
+        if pos <= len(self.order) and self.order[pos - 1] is unit:
+            self._prefetch(self.order, pos)
+
+    def _post_forward(self, unit: Unit, module: nn.Module, args: Any, output: Any) -> None:
+        backward_follows = False
+        if torch.is_grad_enabled():
+            for t in tensors_in(output):
+                if t.requires_grad:
+                    t.register_hook(partial(self._pre_backward, unit))
+                    backward_follows = True
+        unit.post_forward(backward_follows)
+
+    def _root_post(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._fwd:
+            self.order = self._fwd
+        for unit in self.units:  # prefetched but not used
+            unit.free()
+            unit.expect_backward()
+        self.root.expect_backward()
+        self._bwd_order = list(reversed(self.order))
+        self._bwd_pos = 0
+        self.root.post_forward(torch.is_grad_enabled() and any(t.requires_grad for t in tensors_in(output)))
+
+    # ------------------------------------------------------------------ backward
+    def _pre_backward(self, unit: Unit, grad: torch.Tensor) -> None:
+        try:
+            pos = self._bwd_order.index(unit, self._bwd_pos)
+            self._bwd_pos = pos + 1
+        except ValueError:  # a unit's second output, or an order the last forward did not show
+            pos = None
+        if pos is None and unit.gathered:
+            return
+        unit.prefetch()
+        if pos is not None:
+            self._prefetch(self._bwd_order, pos + 1)
+        unit.pre_backward()
+
+    def after_backward(self) -> None:
+        for unit in self.units:
+            unit.post_backward()
+        self.root.post_backward()
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
