@@ -1,15 +1,15 @@
 """zeroray: ZeRO stages 0-3 on torch.distributed, made native to Ray.
 
-The engine (``zeroray.initialize``, ``ZeroConfig``) is plain PyTorch. The Ray layer
-(``ZeroTrainer`` and friends) is imported lazily, so ``import zeroray`` never imports Ray.
+The engine (``zeroray.initialize``) is plain PyTorch; the config (``ZeroConfig``, ``load_config``) is
+plain data. Everything heavier is imported on first use, so ``import zeroray`` never imports Ray and
+reading a config imports neither torch nor the engine.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from zeroray.config import OffloadConfig, ZeroConfig
-from zeroray.engine import ZeroEngine, initialize
+from zeroray.config import OffloadConfig, PrecisionPolicy, ZeroConfig
 
 __version__ = "0.1.0"
 
@@ -17,6 +17,14 @@ _TRAIN_EXPORTS = ("ZeroTrainer", "ScalingConfig", "RunConfig", "FailureConfig", 
 
 
 def __getattr__(name: str) -> Any:
+    if name in ("ZeroEngine", "initialize"):
+        import zeroray.engine as engine
+
+        return getattr(engine, name)
+    if name == "load_config":
+        from zeroray.config_loader import load_config
+
+        return load_config
     if name in _TRAIN_EXPORTS:
         import zeroray.train as train
 
@@ -28,4 +36,7 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'zeroray' has no attribute {name!r}")
 
 
-__all__ = ["ZeroConfig", "OffloadConfig", "ZeroEngine", "initialize", "estimate", *_TRAIN_EXPORTS]
+__all__ = [
+    "ZeroConfig", "OffloadConfig", "PrecisionPolicy", "load_config", "ZeroEngine", "initialize", "estimate",
+    *_TRAIN_EXPORTS,
+]

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zeroray.config import ZeroConfig
+from zeroray.config_loader import ConfigArg, load_config
 from zeroray.engine import units as unit_plan
 from zeroray.engine.comm import Comm, InFlight
 from zeroray.engine.flat_group import FlatGroup
@@ -70,14 +70,14 @@ class ZeroEngine:
         self,
         model: nn.Module,
         optimizer: OptimizerArg = None,
-        config: ZeroConfig | dict | str | None = None,
+        config: ConfigArg = None,
         process_group: dist.ProcessGroup | None = None,
         lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
     ):
         # ---- validation: everything that can be wrong fails here, before any communication
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        config = ZeroConfig.coerce(config)
+        config = load_config(config, model=model, optimizer=optimizer)
         if process_group is None and dist.is_available() and dist.is_initialized():
             process_group = dist.group.WORLD
         world = 1 if process_group is None else dist.get_world_size(process_group)
@@ -431,7 +431,7 @@ class ZeroEngine:
 def initialize(
     model: nn.Module,
     optimizer: OptimizerArg = None,
-    config: ZeroConfig | dict | str | None = None,
+    config: ConfigArg = None,
     process_group: dist.ProcessGroup | None = None,
     lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
 ) -> ZeroEngine:
