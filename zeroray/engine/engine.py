@@ -13,7 +13,7 @@ start all ranks from rank 0's weights, rebuild the optimizer over the shards, in
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +32,7 @@ from zeroray.engine.reducer import GradReducer
 from zeroray.engine.sharded_optim import (
     OptimizerArg,
     param_group_index,
+    refuse_direct_step,
     shard_optimizer,
     state_tensors,
     template_optimizer,
@@ -97,6 +98,7 @@ class ZeroEngine:
         self.global_step = 0  # optimizer steps taken (skipped fp16 steps included)
         self.micro_step = 0
         self.skipped_steps = 0
+        self._backward_since_step = False  # step() without a backward is a no-op, as torch's is
         self.last_grad_norm: float | None = None
         self.loss_scaler = LossScaler(config)
 
@@ -132,6 +134,7 @@ class ZeroEngine:
 
         # ---- optimizer over the shards
         self.optimizer, self._owner = shard_optimizer(template, self.groups)
+        self._template_hook = refuse_direct_step(template)  # the user's optimizer would step nothing
         if lr_scheduler is not None:
             self.lr_scheduler = lr_scheduler(self.optimizer)
         elif config.scheduler is not None:
@@ -162,6 +165,31 @@ class ZeroEngine:
 
     forward = __call__
 
+    # ------------------------------------------------------------------ module-like (as DeepSpeed's engine)
+    def train(self, mode: bool = True) -> ZeroEngine:
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> ZeroEngine:
+        self.module.eval()
+        return self
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        """The model's parameters. At stage 3 their storage is freed outside forward and backward:
+        read weights with :meth:`full_state_dict`."""
+        return self.module.parameters(recurse)
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
+        return self.module.named_parameters(*args, **kwargs)
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's ``generate`` (e.g. Hugging Face's). At stage 3 with several ranks every
+        forward is collective, so a rank that finished early must keep running forwards until all
+        have: ``synced_gpus=True`` is passed unless the caller set it."""
+        if self.stage == 3 and self.world_size > 1:
+            kwargs.setdefault("synced_gpus", True)
+        return self.module.generate(*args, **kwargs)
+
     def is_gradient_accumulation_boundary(self) -> bool:
         """True when the current micro-step is the last of an accumulation cycle."""
         return (self.micro_step + 1) % self.gradient_accumulation_steps == 0
@@ -174,9 +202,16 @@ class ZeroEngine:
         self.reducer.finish()
         if self.fetcher is not None:
             self.fetcher.after_backward()
+        self._backward_since_step = True
 
     def step(self) -> None:
-        """Call after every micro-batch; applies the optimizer only at accumulation boundaries."""
+        """Call after every micro-batch; applies the optimizer only at accumulation boundaries.
+
+        Without an :meth:`backward` since the last call it does nothing (no micro-step counted),
+        as a torch optimizer skips parameters without gradients."""
+        if not self._backward_since_step:
+            return
+        self._backward_since_step = False
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_step += 1
         if not boundary:
@@ -357,10 +392,11 @@ class ZeroEngine:
         self.comm.reset()
 
     def close(self) -> None:
-        """Remove every hook zeroray put on the model."""
+        """Remove every hook zeroray put on the model and on the user's optimizer."""
         self.reducer.remove()
         if self.fetcher is not None:
             self.fetcher.remove()
+        self._template_hook.remove()
 
 
 def initialize(
