@@ -392,7 +392,9 @@ class ZeroEngine:
         self.comm.reset()
 
     def close(self) -> None:
-        """Remove every hook zeroray put on the model and on the user's optimizer."""
+        """Wait for any collective still in flight (collective), then remove every hook zeroray
+        put on the model and on the user's optimizer."""
+        self.comm.close()
         self.reducer.remove()
         if self.fetcher is not None:
             self.fetcher.remove()
