@@ -33,7 +33,7 @@ def main(rank: int, world: int, store: str, destroy: bool) -> None:
             model.train()
     if destroy:
         dist.destroy_process_group()
-    print(f"rank {rank} done", flush=True)
+    print(f"rank {rank} done")  # left in the buffer, as usual: flushed at exit, with the GIL released
 
 
 if __name__ == "__main__":
