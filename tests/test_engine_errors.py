@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import warnings
 
 import pytest
 import torch
@@ -17,12 +18,12 @@ def test_stage_out_of_range() -> None:
     with pytest.raises(ValueError, match="stage: must be 0, 1, 2 or 3, got 5"):
         zeroray.ZeroConfig(stage=5)
     with pytest.raises(ValueError, match="zero_optimization.stage"):
-        zeroray.ZeroConfig.from_deepspeed({"zero_optimization": {"stage": 5}})
+        zeroray.load_config({"zero_optimization": {"stage": 5}})
 
 
 def test_fp16_and_bf16_both_on() -> None:
-    with pytest.raises(ValueError, match="fp16 and bf16 are both enabled"):
-        zeroray.ZeroConfig.from_deepspeed({"fp16": {"enabled": True}, "bf16": {"enabled": True}})
+    with pytest.raises(ValueError, match="'fp16.enabled' and 'bf16.enabled' both set"):
+        zeroray.load_config({"fp16": {"enabled": True}, "bf16": {"enabled": True}})
 
 
 def test_optimizer_over_foreign_parameters() -> None:
@@ -76,3 +77,29 @@ def _bad_batch_on_rank0(rank: int, world: int) -> str:
 def test_batch_sizes_that_do_not_multiply_fail_before_communication() -> None:
     msg = run_ranks(_bad_batch_on_rank0, 2)[0]
     assert "train_batch_size (10) must equal train_micro_batch_size_per_gpu (2) x gradient_accumulation_steps (2) x data-parallel world size (2) = 8" in msg
+
+
+def test_stepping_the_users_optimizer_is_explained() -> None:
+    model = nn.Linear(3, 1)
+    opt = torch.optim.AdamW(model.parameters())
+    engine = zeroray.initialize(model, opt, zeroray.ZeroConfig(stage=1))
+    engine.backward(engine(torch.randn(2, 3)).sum())
+    with pytest.raises(RuntimeError, match=r"call engine.step\(\), not optimizer.step\(\)"):
+        opt.step()
+    engine.step()  # the engine's own optimizer is another instance: the hook is per instance
+    assert engine.global_step == 1
+    engine.close()
+    opt.step()  # close() gives the optimizer back
+
+
+def test_optimizer_block_ignored_when_an_optimizer_is_passed_warns() -> None:
+    model = nn.Linear(3, 3)
+    cfg = {"optimizer": {"type": "AdamW", "params": {"lr": 0.01}}}
+    with pytest.warns(UserWarning, match=r"the config's 'optimizer' block \('AdamW'\) is ignored: .* given an optimizer \(SGD\)") as rec:
+        engine = zeroray.initialize(model, torch.optim.SGD(model.parameters(), lr=0.5), cfg)
+    assert rec[0].filename == __file__  # points at the caller's initialize line
+    assert type(engine.optimizer) is torch.optim.SGD
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        zeroray.initialize(nn.Linear(3, 3), None, cfg)
+        zeroray.initialize(model := nn.Linear(3, 3), torch.optim.SGD(model.parameters(), lr=0.5), {})

@@ -8,43 +8,75 @@ nothing is counted, so the engine also runs without ``torch.distributed`` initia
 On gloo, an all-reduce is cheaper than a reduce-scatter and one broadcast per rank's shard is
 cheaper than ``all_gather`` (see shared/NOTES.md); on NCCL the paper's reduce-scatter/all-gather
 are the right primitives. ``ZeroConfig.reduce_scatter`` / ``all_gather_by_broadcast`` override.
+
+Tensors and backend threads: a collective is given private aliases of its tensors (``detach()``),
+which its :class:`Handle` keeps until the backend has let go of them. While C++ holds a tensor
+that has a Python object, torch keeps a reference to that object, and drops it, taking the GIL,
+on whichever thread drops the last C++ reference. Gloo's worker threads do that *after* marking a
+work done, so it may come after ``wait()`` returned; and if it comes while the interpreter exits,
+the worker is killed by ``pthread_exit`` while unwinding through a ``noexcept`` destructor:
+``std::terminate``, "terminate called without an active exception", SIGABRT after all output
+(issue #8). So on gloo ``Handle.wait()`` returns only once the workers hold no reference to its
+tensors, C++ or Python, and every tensor is freed on the thread that issued the collective.
+Nothing is left in flight past ``wait()``; ``Comm.close()`` waits for handles nobody waited.
 """
 
 from __future__ import annotations
 
+import sys
+import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
+# A gloo worker lets go of a finished work within microseconds; this bounds a stuck one.
+_RELEASE_TIMEOUT_S = 120.0
+
 
 class Handle:
     """Outstanding collective(s); ``wait()`` blocks until done, then runs the completion callbacks."""
 
-    def __init__(self, works: Sequence[dist.Work | None] = (), then: Callable[[], None] | None = None):
+    def __init__(
+        self,
+        works: Sequence[dist.Work | None] = (),
+        then: Callable[[], None] | None = None,
+        *,
+        tensors: list[torch.Tensor] | None = None,
+        own_refs: list[int] | None = None,
+        comm: Comm | None = None,
+    ):
         self._works = [w for w in works if w is not None]
+        self._tensors = tensors or []  # what the backend was given; freed here, not on its threads
+        self._own_refs = own_refs or []  # their Python reference counts before the backend got them
+        self._comm = comm
         self._then = then
         self.done = False
 
     def then(self, fn: Callable[[], None]) -> Handle:
-        """The same collectives, with ``fn`` to run once they are done (after this one's callback)."""
+        """Add ``fn`` to run once the collectives are done (after the callbacks added before);
+        returns this handle."""
         first = self._then
         if first is None:
-            return Handle(self._works, then=fn)
+            self._then = fn
+        else:
 
-        def both() -> None:
-            first()
-            fn()
+            def both() -> None:
+                first()
+                fn()
 
-        return Handle(self._works, then=both)
+            self._then = both
+        return self
 
     def wait(self) -> None:
         if self.done:
             return
-        for w in self._works:
-            w.wait()
+        while self._works:  # each Python work object goes once waited: the backend's reference is the last
+            self._works.pop(0).wait()
         self.done = True
+        if self._comm is not None:
+            self._comm._release(self)
         if self._then is not None:
             self._then()
 
@@ -74,6 +106,10 @@ class InFlight:
         handle.wait()
 
 
+def _as_list(works: dist.Work | list[dist.Work]) -> list[dist.Work]:
+    return works if isinstance(works, list) else [works]
+
+
 class Comm:
     """The engine's view of its process group."""
 
@@ -95,6 +131,43 @@ class Comm:
         self.gather_by_broadcast = on_gloo if all_gather_by_broadcast is None else all_gather_by_broadcast
         self.bytes: Counter[str] = Counter()
         self.calls: Counter[str] = Counter()
+        self._outstanding: set[Handle] = set()
+
+    # ------------------------------------------------------------------ issuing and releasing
+    def _issue(self, call: Callable[..., dist.Work | list[dist.Work]], tensors: Sequence[torch.Tensor], async_op: bool) -> Handle:
+        """Run ``call`` on private aliases of ``tensors`` (always asynchronously, so that a
+        synchronous collective is released like an async one) and return its handle."""
+        aliases = [t.detach() for t in tensors]
+        own = [sys.getrefcount(aliases[i]) for i in range(len(aliases))]  # the list's and the argument's
+        handle = Handle(_as_list(call(*aliases)), tensors=aliases, own_refs=own, comm=self)
+        self._outstanding.add(handle)
+        if not async_op:
+            handle.wait()
+        return handle
+
+    def _release(self, handle: Handle) -> None:
+        """After ``handle``'s works are done: on gloo, wait until its worker threads hold no
+        reference to the handle's tensors (see the module doc), then drop them here."""
+        self._outstanding.discard(handle)
+        if self.backend == "gloo":
+            deadline = time.monotonic() + _RELEASE_TIMEOUT_S
+            delay = 0.0
+            ts, own = handle._tensors, handle._own_refs
+            for i in range(len(ts)):
+                # C++ references gone, and the Python reference torch held for them dropped too.
+                while ts[i]._use_count() > 1 or sys.getrefcount(ts[i]) > own[i]:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(
+                            f"zeroray: a finished gloo collective still holds its tensor after {_RELEASE_TIMEOUT_S:.0f} s"
+                        )
+                    time.sleep(delay)
+                    delay = min(2 * delay or 1e-6, 1e-3)
+        handle._tensors = []
+
+    def close(self) -> None:
+        """Wait for every collective issued and not yet waited (collective: all ranks issued them)."""
+        while self._outstanding:
+            self._outstanding.pop().wait()
 
     # ------------------------------------------------------------------ accounting
     def _count(self, kind: str, nbytes: int) -> None:
@@ -114,7 +187,7 @@ class Comm:
         if self.world_size == 1:
             return Handle()
         self._count("all_reduce", 2 * t.numel() * t.element_size())
-        return Handle([dist.all_reduce(t, op=op, group=self.group, async_op=async_op)])
+        return self._issue(lambda a: dist.all_reduce(a, op=op, group=self.group, async_op=True), [t], async_op)
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, async_op: bool = False) -> Handle:
         """Sum ``full`` across ranks; ``out`` (``full.numel() / world`` elements) gets this rank's part."""
@@ -122,7 +195,9 @@ class Comm:
             out.copy_(full)
             return Handle()
         self._count("reduce_scatter", full.numel() * full.element_size())
-        return Handle([dist.reduce_scatter_single(out, full, group=self.group, async_op=async_op)])
+        return self._issue(
+            lambda o, f: dist.reduce_scatter_single(o, f, group=self.group, async_op=True), [out, full], async_op
+        )
 
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor, async_op: bool = False) -> Handle:
         """Fill ``full`` with every rank's ``shard`` (rank r's at ``[r*S, (r+1)*S)``).
@@ -139,20 +214,22 @@ class Comm:
         if self.gather_by_broadcast:
             if mine.data_ptr() != shard.data_ptr():
                 mine.copy_(shard)
-            works = [
-                dist.broadcast(full[r * s : (r + 1) * s], group=self.group, group_src=r, async_op=async_op)
-                for r in range(self.world_size)
-            ]
-            return Handle(works)
+            return self._issue(
+                lambda *chunks: [
+                    dist.broadcast(c, group=self.group, group_src=r, async_op=True) for r, c in enumerate(chunks)
+                ],
+                [full[r * s : (r + 1) * s] for r in range(self.world_size)],
+                async_op,
+            )
         src = shard.clone() if mine.data_ptr() == shard.data_ptr() else shard
-        return Handle([dist.all_gather_single(full, src, group=self.group, async_op=async_op)])
+        return self._issue(lambda f, x: dist.all_gather_single(f, x, group=self.group, async_op=True), [full, src], async_op)
 
     def broadcast(self, t: torch.Tensor, src: int = 0) -> None:
         """Synchronous broadcast from group rank ``src`` (used to start all ranks from rank 0's weights)."""
         if self.world_size == 1:
             return
         self._count("broadcast", t.numel() * t.element_size())
-        dist.broadcast(t, group=self.group, group_src=src)
+        self._issue(lambda a: dist.broadcast(a, group=self.group, group_src=src, async_op=True), [t], async_op=False)
 
     def any_true(self, flag: bool, device: torch.device) -> bool:
         """True on every rank if ``flag`` is true on any rank (fp16 overflow agreement)."""

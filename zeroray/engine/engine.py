@@ -35,6 +35,7 @@ from zeroray.engine.schedule import UnitScheduler
 from zeroray.engine.sharded_optim import (
     OptimizerArg,
     param_group_index,
+    refuse_direct_step,
     shard_optimizer,
     state_tensors,
     template_optimizer,
@@ -113,6 +114,7 @@ class ZeroEngine:
         self.global_step = 0  # optimizer steps taken (skipped fp16 steps included)
         self.micro_step = 0
         self.skipped_steps = 0
+        self._backward_since_step = False  # step() without a backward is a no-op, as torch's is
         self.last_grad_norm: float | None = None
         self.loss_scaler = LossScaler(config)
 
@@ -150,6 +152,7 @@ class ZeroEngine:
 
         # ---- optimizer over the shards
         self.optimizer, self._owner = shard_optimizer(template, self.groups)
+        self._template_hook = refuse_direct_step(template)  # the user's optimizer would step nothing
         if lr_scheduler is not None:
             self.lr_scheduler = lr_scheduler(self.optimizer)
         elif config.scheduler is not None:
@@ -186,6 +189,31 @@ class ZeroEngine:
 
     forward = __call__
 
+    # ------------------------------------------------------------------ module-like (as DeepSpeed's engine)
+    def train(self, mode: bool = True) -> ZeroEngine:
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> ZeroEngine:
+        self.module.eval()
+        return self
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        """The model's parameters. At stage 3 their storage is freed outside forward and backward:
+        read weights with :meth:`full_state_dict`."""
+        return self.module.parameters(recurse)
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
+        return self.module.named_parameters(*args, **kwargs)
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's ``generate`` (e.g. Hugging Face's). At stage 3 with several ranks every
+        forward is collective, so a rank that finished early must keep running forwards until all
+        have: ``synced_gpus=True`` is passed unless the caller set it."""
+        if self.stage == 3 and self.world_size > 1:
+            kwargs.setdefault("synced_gpus", True)
+        return self.module.generate(*args, **kwargs)
+
     def is_gradient_accumulation_boundary(self) -> bool:
         """True when the current micro-step is the last of an accumulation cycle."""
         return (self.micro_step + 1) % self.gradient_accumulation_steps == 0
@@ -198,9 +226,16 @@ class ZeroEngine:
         self.reducer.finish()
         if self.scheduler is not None:
             self.scheduler.after_backward()
+        self._backward_since_step = True
 
     def step(self) -> None:
-        """Call after every micro-batch; applies the optimizer only at accumulation boundaries."""
+        """Call after every micro-batch; applies the optimizer only at accumulation boundaries.
+
+        Without an :meth:`backward` since the last call it does nothing (no micro-step counted),
+        as a torch optimizer skips parameters without gradients."""
+        if not self._backward_since_step:
+            return
+        self._backward_since_step = False
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_step += 1
         if not boundary:
@@ -414,8 +449,10 @@ class ZeroEngine:
                 u.release()
 
     def close(self) -> None:
-        """Remove every hook zeroray put on the model. Stage 3 (collective): the parameters get
-        their full values back and stay gathered, so the model can be used, saved or wrapped again."""
+        """Wait for any collective still in flight, then remove every hook zeroray put on the model
+        and on the user's optimizer. Stage 3 (collective): the parameters get their full values back
+        and stay gathered, so the model can be used, saved or wrapped again."""
+        self.comm.close()
         self.reducer.remove()
         if self.scheduler is not None:
             self.scheduler.remove()
@@ -423,6 +460,7 @@ class ZeroEngine:
                 g.keep_gathered()
         if self._guard is not None:
             self._guard.remove()
+        self._template_hook.remove()
         for m in self.module.modules():
             if _HELD.get(m) is self:
                 del _HELD[m]

@@ -9,10 +9,13 @@ no-weight-decay group stays one group and an LR scheduler sees the groups the us
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from zeroray.config import ZeroConfig
 from zeroray.engine.flat_group import FlatGroup
@@ -51,7 +54,28 @@ def template_optimizer(model: nn.Module, optimizer: OptimizerArg, config: ZeroCo
             f"the optimizer holds {len(foreign)} parameter(s) that are not parameters of the model "
             f"(shapes {shapes}); build it over model.parameters()"
         )
+    if optimizer is not None and config.optimizer is not None:
+        # DeepSpeed logs "Using client Optimizer" here; a silent choice would hide a block that does nothing.
+        warnings.warn(
+            f"zeroray: the config's 'optimizer' block ({config.optimizer.get('type')!r}) is ignored: "
+            f"zeroray.initialize was given an optimizer ({type(opt).__name__}), and that one is used",
+            UserWarning,
+            stacklevel=4,  # the caller of zeroray.initialize
+        )
     return opt
+
+
+def _refuse_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    raise RuntimeError(
+        "zeroray: call engine.step(), not optimizer.step(): the optimizer passed to zeroray.initialize "
+        "was rebuilt over this rank's shards (engine.optimizer), and stepping the original would do nothing"
+    )
+
+
+def refuse_direct_step(template: torch.optim.Optimizer) -> RemovableHandle:
+    """Make ``template.step()`` raise (a per-instance hook, no patching): the user's optimizer holds
+    the model's parameters, not the shards the engine trains, so stepping it is silently a no-op."""
+    return template.register_step_pre_hook(_refuse_step)
 
 
 def param_group_index(model: nn.Module, template: torch.optim.Optimizer) -> dict[int, int | None]:
