@@ -3,7 +3,7 @@ steps at every stage (with an evaluation forward), then let the interpreter exit
 
 ``python tests/exit_job.py RANK WORLD STORE_FILE [--destroy]``; ``--destroy`` calls
 ``dist.destroy_process_group()`` before exit, as the torch docs ask. Used by tests/test_exit.py and
-benchmarks/exit_loop.py to count launches that do not exit with 0.
+tests/exit_loop.py (python -m tests.exit_loop) to count launches that do not exit with 0.
 """
 
 from __future__ import annotations

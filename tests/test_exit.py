@@ -8,25 +8,21 @@ destructor. zeroray's collectives now keep their tensors until the worker has le
 (:mod:`zeroray.engine.comm`), so every tensor is freed on the thread that issued the collective.
 
 The first test checks that property directly (it fails reliably without the fix); the second
-launches real world-2 jobs a bounded number of times. ``benchmarks/exit_loop.py`` runs hundreds.
+launches real world-2 jobs a bounded number of times. ``python -m tests.exit_loop`` runs hundreds.
 """
 
 from __future__ import annotations
 
 import gc
-import sys
 import threading
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from tests.dist_harness import run_ranks
+from tests.exit_loop import launch
 from zeroray.engine.comm import Comm
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from exit_loop import launch  # noqa: E402
 
 
 def _where_tensors_are_freed(rank: int, world: int, reduce_scatter: bool) -> tuple[int, int]:

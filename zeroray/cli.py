@@ -35,15 +35,19 @@ def parse_count(text: str) -> float:
     return n
 
 
-def positive_int(text: str) -> int:
-    """An integer >= 1 (world sizes)."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
-    return n
+def int_at_least(lowest: int):
+    """An argparse type: an integer >= ``lowest`` (world sizes >= 1, bytes per parameter >= 0)."""
+
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if n < lowest:
+            raise argparse.ArgumentTypeError(f"must be >= {lowest}, got {n}")
+        return n
+
+    return parse
 
 
 def parse_size(text: str) -> int:
@@ -101,7 +105,7 @@ def _add_estimate(sub: argparse._SubParsersAction) -> None:
         description="Per-rank bytes of parameters, gradients and optimizer states (ZeRO paper formulas).",
     )
     p.add_argument("--params", type=parse_count, required=True, help="parameter count, e.g. 70e9 or 7B")
-    p.add_argument("--world-size", type=positive_int, required=True, help="data-parallel ranks")
+    p.add_argument("--world-size", type=int_at_least(1), required=True, help="data-parallel ranks")
     p.add_argument("--stage", type=int, choices=(0, 1, 2, 3), help="one stage (default: all)")
     p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
     p.add_argument(
@@ -112,22 +116,11 @@ def _add_estimate(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--optimizer-bytes",
-        type=_non_negative_int,
+        type=int_at_least(0),
         default=None,
         help="optimizer bytes per parameter (default: Adam, 8 in fp32, 12 mixed)",
     )
     p.set_defaults(func=cmd_estimate)
-
-
-def _non_negative_int(text: str) -> int:
-    """An integer >= 0 (bytes per parameter)."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {n}")
-    return n
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:

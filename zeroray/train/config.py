@@ -151,11 +151,12 @@ def _default_storage_path() -> str:
 class RunConfig:
     """Where the run's files go and how it reacts to failures.
 
-    ``storage_path`` is any fsspec URL (local path, ``s3://``, ``gs://``, ``memory://``...);
+    ``storage_path`` is any fsspec URL the driver and every rank share (local or network path,
+    ``s3://``, ``gs://``...; ``memory://`` is refused: each process would see only its own);
     ``storage_options`` go to fsspec (e.g. ``{"endpoint_url": ...}`` for an S3-compatible store), in the
     driver and in the rank actors, which write and read the checkpoints themselves. The run directory
     ``<storage_path>/<name>`` is also what a run resumes from: a new ``fit()`` with the same name and
-    storage path continues from its newest committed checkpoint.
+    storage path continues from its newest valid checkpoint.
     ``progress_bar``: True/False, or None = a bar on a terminal and a log line every few seconds otherwise.
 
     A running ``fit()`` holds a lease on its run directory (``lease.json``: an owner id and a

@@ -1,6 +1,6 @@
 """Launch the world-2 job of tests/exit_job.py many times and count how each rank exited.
 
-    PYTHONPATH=$PWD /work/shared/tools/under-load -- python benchmarks/exit_loop.py --launches 200
+    ../shared/tools/under-load -- python -m tests.exit_loop --launches 200
 
 A rank that ends with SIGABRT after its work is done ("terminate called without an active
 exception") shows as exit code -6. Prints a histogram of exit codes and the stderr of failures.
@@ -16,7 +16,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-JOB = Path(__file__).resolve().parent.parent / "tests" / "exit_job.py"
+ROOT = Path(__file__).resolve().parent.parent
+JOB = ROOT / "tests" / "exit_job.py"
 
 
 def launch(world: int, destroy: bool, timeout: float = 120.0) -> list[tuple[int, str]]:
@@ -24,12 +25,15 @@ def launch(world: int, destroy: bool, timeout: float = 120.0) -> list[tuple[int,
     with tempfile.TemporaryDirectory() as d:
         store = os.path.join(d, "store")
         args = ["--destroy"] if destroy else []
+        # The job imports the test models (package ``tests``): the repo root goes on its path.
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         procs = [
             subprocess.Popen(
                 [sys.executable, str(JOB), str(r), str(world), store, *args],
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.PIPE,
                 text=True,
+                env=env,
             )
             for r in range(world)
         ]
