@@ -22,7 +22,7 @@ from zeroray.train import FailureConfig, RunConfig, ScalingConfig, TrainingFaile
 from zeroray.train.storage import StorageError
 
 TIMEOUT_S = 5.0  # the collective timeout the out-of-step tests set
-BOUND_S = 120.0  # far below the default (300 s) and torch's 30 minutes, far above startup on a busy machine
+BOUND_S = 120.0  # far below torch's 30 minutes, far above startup on a busy machine
 
 
 def _checkpointing_loop():
@@ -89,7 +89,11 @@ def test_ranks_out_of_step_fail_with_the_ranks_and_report_counts(ray_cluster, tm
     for place in places:
         assert place in message
     assert "engine.full_state_dict()" in message and "collective_timeout_s" in message
-    assert {f.rank for f in info.value.failures} == {0, 1} and all(f.timed_out for f in info.value.failures)
+    # Both ranks' failures are in: the first to time out, and the other's own timeout or its collective failing
+    # because the first went away.
+    failures = info.value.failures
+    assert {f.rank for f in failures} == {0, 1}, message
+    assert any(f.timed_out for f in failures) and all(f.secondary for f in failures), message
     assert json.loads((tmp_path / "runs" / name / "run.json").read_text())["status"] == "ERRORED"
     assert_nothing_left(name)
 

@@ -19,7 +19,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import torch.distributed as dist
 from fsspec import AbstractFileSystem
 
 from zeroray.checkpoint.manifest import (
@@ -30,6 +29,7 @@ from zeroray.checkpoint.manifest import (
     dump_manifest,
     part_file,
 )
+from zeroray.engine import Comm
 from zeroray.storage import atomic_write
 
 _POLL_MAX_S = 1.0
@@ -99,12 +99,9 @@ def attempt(fn: Callable[[], None]) -> str | None:
     return None
 
 
-def agree(group: Any, world: int, error: str | None, what: str) -> None:
+def agree(comm: Comm, error: str | None, what: str) -> None:
     """Collective: raise on every rank if ``what`` failed on any rank."""
-    errors = [error]
-    if group is not None:
-        errors = [None] * world
-        dist.all_gather_object(errors, error, group=group)
+    errors = comm.all_gather_object(error)
     failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
     if failed:
         raise CheckpointError(f"{what} failed: " + "; ".join(failed))

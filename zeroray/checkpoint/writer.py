@@ -187,7 +187,7 @@ def _start(
     """Collective: open and prepare the directory, agree, and plan this rank's file."""
     fs, path = open_url(url, storage_options)
     ready = previous or (attempt(lambda: _prepare_dir(fs, path)) if engine.rank == 0 else None)
-    agree(engine.process_group, engine.world_size, ready, f"preparing the save to {url} (or the previous async save)")
+    agree(engine.comm, ready, f"preparing the save to {url} (or the previous async save)")
     groups, sections = _plan(engine)
     commit = None
     if engine.rank == 0:
@@ -211,10 +211,10 @@ def save(
     ``num_to_keep``: after the commit, rank 0 applies :func:`apply_retention` to the parent
     directory (the run). ``commit_timeout``: how long rank 0 waits for the other ranks' files.
     """
-    rank, group, world = engine.rank, engine.process_group, engine.world_size
+    rank = engine.rank
     fs, path, sections, commit = _start(engine, url, None, storage_options, num_to_keep, commit_timeout)
-    agree(group, world, attempt(lambda: _write_rank(fs, path, rank, sections, _views(sections))), f"writing {url}")
-    agree(group, world, attempt(lambda: commit.run(fs, path, url)) if commit else None, f"committing {url}")
+    agree(engine.comm, attempt(lambda: _write_rank(fs, path, rank, sections, _views(sections))), f"writing {url}")
+    agree(engine.comm, attempt(lambda: commit.run(fs, path, url)) if commit else None, f"committing {url}")
     return SaveHandle(url)
 
 

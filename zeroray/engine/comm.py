@@ -23,10 +23,12 @@ Nothing is left in flight past ``wait()``; ``Comm.close()`` waits for handles no
 
 from __future__ import annotations
 
+import pickle
 import sys
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -230,6 +232,29 @@ class Comm:
             return
         self._count("broadcast", t.numel() * t.element_size())
         self._issue(lambda a: dist.broadcast(a, group=self.group, group_src=src, async_op=True), [t], async_op=False)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's picklable ``obj``, in rank order (small control messages: agreement on errors,
+        report barriers). Unlike ``dist.all_gather_object`` its tensors are released like every other
+        collective's (see the module doc); not counted in :meth:`report`."""
+        if self.world_size == 1:
+            return [obj]
+        device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+        sizes = torch.zeros(self.world_size, dtype=torch.int64, device=device)
+        mine = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+        self._issue(lambda f, x: dist.all_gather_single(f, x, group=self.group, async_op=True), [sizes, mine], False)
+        width = int(sizes.max())
+        padded = torch.zeros(width, dtype=torch.uint8, device=device)
+        padded[: data.numel()] = data
+        full = torch.empty(width * self.world_size, dtype=torch.uint8, device=device)
+        self._issue(lambda f, x: dist.all_gather_single(f, x, group=self.group, async_op=True), [full, padded], False)
+        full, sizes = full.cpu(), sizes.tolist()
+        return [pickle.loads(full[r * width : r * width + sizes[r]].numpy().tobytes()) for r in range(self.world_size)]
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Group rank ``src``'s ``obj`` on every rank (``obj`` is ignored elsewhere)."""
+        return self.all_gather_object(obj if self.rank == src else None)[src]
 
     def any_true(self, flag: bool, device: torch.device) -> bool:
         """True on every rank if ``flag`` is true on any rank (fp16 overflow agreement)."""

@@ -17,8 +17,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch.distributed as dist
-
 import zeroray.checkpoint as zc
 from zeroray.train.context import Session
 
@@ -50,10 +48,8 @@ def resume(session: Session) -> None:
     if storage changes in between. A run without one starts fresh.
     """
     run_url, options = session.context.trial_dir, session.storage_options
-    choice = [zc.latest_committed(run_url, options) if session.context.get_world_rank() == 0 else None]
-    if session.report_group is not None:
-        dist.broadcast_object_list(choice, src=0, group=session.report_group)
-    url = choice[0]
+    newest = zc.latest_committed(run_url, options) if session.context.get_world_rank() == 0 else None
+    url = session.report_comm.broadcast_object(newest, src=0)
     if url is not None:
         wait(session)  # an async save of an earlier engine of this loop must not race the read
         zc.load(session.engine, url, storage_options=options)

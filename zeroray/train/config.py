@@ -96,13 +96,14 @@ class FailureConfig:
     barrier, the engine's gathers and reductions, a checkpoint's commit) for its peers. It is the
     process groups' timeout, and what turns a rank that skipped a ``zt.report`` or called
     ``engine.full_state_dict()`` alone from a silent hang into an error naming the ranks and their
-    report counts. The default, 5 minutes, is far above one step or one rank's checkpoint shard upload
-    at ordinary sizes and far below torch's 30 minutes; raise it when ranks legitimately wait longer
-    for each other (e.g. rank 0 alone downloading data between two collectives).
+    report counts within about a minute. The default, 60 s, is far above the skew between ranks in one
+    step or one rank's checkpoint shard upload at ordinary sizes, and far below torch's 30 minutes;
+    raise it when ranks legitimately wait longer for each other (e.g. rank 0 alone evaluating or
+    downloading data between two collectives, or steps of minutes on offloaded models).
     """
 
     max_failures: int = 0
-    collective_timeout_s: float = 300.0
+    collective_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_failures) or self.max_failures < -1:

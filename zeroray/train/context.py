@@ -84,6 +84,12 @@ class Session:
     last_report_time: float | None = None
     last_global_step: int = 0
     checkpoint_saver: Any = None  # the rank's zeroray.checkpoint.AsyncSaver, from its first async save
+    report_comm: Any = field(init=False)  # zeroray.engine.Comm over report_group: the object exchanges
+
+    def __post_init__(self) -> None:
+        from zeroray.engine import Comm
+
+        self.report_comm = Comm(self.report_group)
 
     @property
     def zero_config(self) -> Any:

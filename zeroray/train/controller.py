@@ -42,6 +42,9 @@ logger = logging.getLogger(__name__)
 
 POLL_INTERVAL_S = 0.1
 FAILURE_GRACE_S = 3.0  # how long to wait for the root-cause failure after a peer's collective failed
+# After a collective timeout, the ranks still waiting in theirs time out within the collective timeout: wait for
+# them (up to this cap), so the error says where every rank was.
+TIMEOUT_GRACE_CAP_S = 60.0
 
 
 class Controller:
@@ -192,12 +195,17 @@ class Controller:
             callback.after_report(report, entry)
 
     def _collect_failures(self, failures: list[WorkerFailure]) -> list[Failure]:
-        """When only ranks hurt by a peer's failure have reported so far, wait briefly for the root cause."""
+        """When only ranks hurt by a peer's failure have reported so far, wait briefly for the root cause (after a
+        collective timeout: for the other ranks' timeouts, so the error says where each rank was)."""
         assert self.group is not None
-        deadline = time.monotonic() + FAILURE_GRACE_S
+        start = time.monotonic()
         by_rank = {f.rank: f for f in failures}
-        while (time.monotonic() < deadline and len(by_rank) < len(self.group.actors)
-               and all(f.secondary for f in by_rank.values())):
+        while len(by_rank) < len(self.group.actors) and all(f.secondary for f in by_rank.values()):
+            grace = FAILURE_GRACE_S
+            if any(f.timed_out for f in by_rank.values()):
+                grace = max(grace, min(self.spec.collective_timeout_s, TIMEOUT_GRACE_CAP_S))
+            if time.monotonic() - start >= grace:
+                break
             time.sleep(POLL_INTERVAL_S)
             status = self.group.poll(timeout_s=FAILURE_GRACE_S)
             for report in status.reports:

@@ -131,7 +131,8 @@ class RunLeaseError(RuntimeError):
 
 
 _COLLECTIVE_MARKERS = ("gloo/transport", "Connection closed by peer", "Connection reset by peer", "NCCL error",
-                       "ProcessGroupNCCL", "ProcessGroupGloo", "Broken pipe")
+                       "ProcessGroupNCCL", "ProcessGroupGloo", "Broken pipe",
+                       "timeout caused pair closure")  # gloo, on the rank whose own wait timed out
 _TIMEOUT_MARKERS = ("Timed out waiting", "timed out", "Timeout", "timeout")
 
 

@@ -19,7 +19,6 @@ from typing import Any
 
 import psutil
 import torch
-import torch.distributed as dist
 
 from zeroray.train import checkpoint_manager
 from zeroray.train.context import Session, get_session
@@ -68,11 +67,7 @@ def _rank_stats(session: Session) -> RankStats:
 
 def _exchange(session: Session, item: Any) -> list[Any]:
     """All-gather one small object per rank on the report group (a barrier)."""
-    if session.report_group is None:
-        return [item]
-    out: list[Any] = [None] * session.context.get_world_size()
-    dist.all_gather_object(out, item, group=session.report_group)
-    return out
+    return session.report_comm.all_gather_object(item)
 
 
 def _check_mismatch(gathered: list[Any], num_reports: int) -> None:

@@ -36,6 +36,11 @@ logger = logging.getLogger(__name__)
 ACTOR_CALL_TIMEOUT_S = 120.0  # node_info / rendezvous / setup calls; generous for slow image pulls
 
 
+# Ray starts worker processes at niceness 15, below the node's other work; the ranks are the job's main work
+# (as Ray Jobs does for its drivers). Ray merges these env_vars into the job's runtime_env.
+_RANK_RUNTIME_ENV = {"env_vars": {"RAY_worker_niceness": "0"}}
+
+
 class WorkerGroupStartError(RuntimeError):
     """The group could not be started (placement, actor creation or rendezvous failed).
 
@@ -164,6 +169,7 @@ class WorkerGroup:
                 memory=resources.get("memory"),
                 resources=custom or None,
                 max_restarts=0,
+                runtime_env=_RANK_RUNTIME_ENV,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle),
             ).remote(self.run, info, use_gpu)
             self.actors.append(actor)
