@@ -1,0 +1,106 @@
+"""Tiny models from transformers configs (no hub) and zeroray's GPT, and the safetensors sources the
+load_pretrained tests read: written with save_pretrained / safetensors, locally and on S3."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+import zeroray
+from zeroray.engine import ZeroEngine
+from zeroray.models import GPT, GPTConfig
+
+
+def llama(seed: int) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True, bos_token_id=0,
+        eos_token_id=1,
+    )
+    return LlamaForCausalLM(cfg)
+
+
+def gpt2(seed: int) -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    cfg = GPT2Config(vocab_size=200, n_embd=64, n_layer=2, n_head=4, n_positions=32, bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(cfg)
+
+
+def zgpt(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(vocab_size=97, block_size=16, n_layer=2, n_head=2, n_embd=32))
+
+
+BUILDERS = {"llama": llama, "gpt2": gpt2, "zgpt": zgpt}
+
+
+def engine_for(model: nn.Module, stage: int) -> ZeroEngine:
+    return zeroray.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), zeroray.ZeroConfig(stage=stage))
+
+
+def hf_step(engine: ZeroEngine, vocab: int) -> float:
+    """One training step of a transformers causal LM."""
+    x = torch.randint(0, vocab, (2, 8), generator=torch.Generator().manual_seed(5))
+    loss = engine(input_ids=x, labels=x).loss
+    engine.backward(loss)
+    engine.step()
+    return loss.item()
+
+
+def write_sources(root: Path) -> dict[str, dict[str, Any]]:
+    """The sources the tests load, as local directories: {name: {"dir", "model", "expected"}}.
+
+    "llama": fp32, one file, tied embeddings (save_pretrained keeps one name);
+    "llama_bf16": bf16, sharded into several files with an index;
+    "gpt2": fp16, one file; "zgpt": zeroray's GPT under a "model." prefix, written by safetensors
+    itself, the tied lm_head left out."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, model, dtype, shard in (
+        ("llama", "llama", torch.float32, None),
+        ("llama_bf16", "llama", torch.bfloat16, "60KB"),
+        ("gpt2", "gpt2", torch.float16, None),
+    ):
+        d = root / name
+        m = BUILDERS[model](0).to(dtype)
+        m.save_pretrained(d, **({"max_shard_size": shard} if shard else {}))
+        out[name] = {"dir": d, "model": model}
+    d = root / "zgpt"
+    d.mkdir()
+    state = {f"model.{k}": v for k, v in zgpt(0).state_dict().items() if k != "lm_head.weight"}
+    save_file(state, d / "model.safetensors", metadata={"format": "pt"})
+    out["zgpt"] = {"dir": d, "model": "zgpt"}
+    for name, src in out.items():
+        src["expected"] = expected(src["dir"], "model." if name == "zgpt" else "")
+        src["bytes"] = sum(f.stat().st_size for f in src["dir"].glob("*.safetensors"))
+    return out
+
+
+def expected(d: Path, prefix: str = "") -> dict[str, torch.Tensor]:
+    """What a load must give: every tensor of the files, fp32 (read by the safetensors package),
+    ``prefix`` stripped from the names."""
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(d.glob("*.safetensors")):
+        out.update({k.removeprefix(prefix): v.float() for k, v in load_file(f).items()})
+    return out
+
+
+def assert_loaded(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
+    """``got`` (a full_state_dict) equals ``want`` exactly, tied names counted once."""
+    assert set(got) <= set(want), f"{what}: not in the file: {sorted(set(got) - set(want))}"
+    for k, t in got.items():
+        assert torch.equal(t, want[k]), f"{what}: {k} differs"
+
+
+def upload(fs: Any, local: Path, url: str) -> None:
+    for f in sorted(os.listdir(local)):
+        fs.put_file(str(local / f), f"{url}/{f}")
