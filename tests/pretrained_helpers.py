@@ -104,3 +104,65 @@ def assert_loaded(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], w
 def upload(fs: Any, local: Path, url: str) -> None:
     for f in sorted(os.listdir(local)):
         fs.put_file(str(local / f), f"{url}/{f}")
+
+
+def load_all(
+    rank: int, world: int, stage: int, srcs: dict[str, dict[str, Any]], failing: str | None
+) -> dict[str, Any]:
+    """Worker: a fresh engine per source (the fp32 llama one trained a step first, so there is an
+    optimizer state and a step to drop), loaded; then, with ``failing``, a load that fails on rank 1 only."""
+    out: dict[str, Any] = {}
+    for name, src in srcs.items():
+        engine = engine_for(BUILDERS[src["model"]](1), stage)
+        trained = name == "llama"
+        if trained:
+            hf_step(engine, 256)
+        before = (engine.global_step, len(engine.optimizer.state))
+        report = zeroray.load_pretrained(engine, src["url"], storage_options=src["options"])
+        out[name] = {
+            "sd": engine.full_state_dict(), "report": report, "before": before,
+            "after": (engine.global_step, len(engine.optimizer.state)),
+        }
+        if trained:
+            out[name]["loss"] = hf_step(engine, 256)
+        engine.close()
+    if failing is not None:
+        engine = engine_for(zgpt(1), stage)
+        before_sd = engine.full_state_dict()
+        error = None
+        try:
+            zeroray.load_pretrained(engine, failing if rank == 0 else failing + "-missing-on-rank-1")
+        except zeroray.PretrainedError as e:
+            error = str(e)
+        after_sd = engine.full_state_dict()
+        engine.close()
+        out["one_rank_fails"] = {"error": error, "same": all(torch.equal(before_sd[k], after_sd[k]) for k in before_sd)}
+    return out
+
+
+def export_round_trip(rank: int, world: int, ckpt: str, out_dir: str) -> dict[str, Any]:
+    """Worker: train the llama a step at stage 3, save, export on rank 0 (no process group needed),
+    then load the export into a fresh stage-1 engine with load_pretrained."""
+    import torch.distributed as dist
+
+    import zeroray.checkpoint as zc
+
+    engine = engine_for(llama(0), 3)
+    hf_step(engine, 256)
+    zc.save(engine, ckpt)
+    trained = engine.full_state_dict()
+    engine.close()
+    error = None
+    if rank == 0:
+        try:
+            zc.export(ckpt, out_dir)
+        except Exception as e:  # reach the barrier anyway, so rank 1 does not wait for ever
+            error = e
+    dist.barrier()
+    if error is not None:
+        raise error
+    fresh = engine_for(llama(1), 1)
+    report = zeroray.load_pretrained(fresh, out_dir)
+    loaded = fresh.full_state_dict()
+    fresh.close()
+    return {"trained": trained, "loaded": loaded, "report": report}

@@ -7,18 +7,27 @@ from __future__ import annotations
 import json
 import shutil
 import struct
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import s3fs
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 import zeroray
 from tests.dist_harness import run_ranks
 from tests.fixtures_s3 import s3  # noqa: F401
-from tests.pretrained_helpers import BUILDERS, assert_loaded, engine_for, hf_step, upload, write_sources, zgpt
+from tests.pretrained_helpers import (
+    BUILDERS,
+    assert_loaded,
+    engine_for,
+    load_all,
+    upload,
+    write_sources,
+    zgpt,
+)
 from zeroray import PretrainedError
 from zeroray.checkpoint.safetensors_file import RangeReader, merge, read_header
 
@@ -38,29 +47,28 @@ def sources(tmp_path_factory: pytest.TempPathFactory, s3: dict[str, Any]) -> dic
     return out
 
 
-def _load_all(rank: int, world: int, stage: int, srcs: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    out = {}
-    for name, src in srcs.items():
-        engine = engine_for(BUILDERS[src["model"]](1), stage)
-        trained = name == "llama"
-        if trained:  # optimizer state and a step to drop
-            hf_step(engine, 256)
-        before = (engine.global_step, len(engine.optimizer.state))
-        report = zeroray.load_pretrained(engine, src["url"], storage_options=src["options"])
-        out[name] = {
-            "sd": engine.full_state_dict(), "report": report, "before": before,
-            "after": (engine.global_step, len(engine.optimizer.state)),
-        }
-        if trained:
-            out[name]["loss"] = hf_step(engine, 256)
-        engine.close()
-    return out
-
-
-@pytest.mark.parametrize("world,stage", [(2, 3), (3, 1)])
-def test_load_pretrained(sources: dict[str, dict[str, Any]], world: int, stage: int) -> None:
+@pytest.fixture(scope="module")
+def loaded(sources: dict[str, dict[str, Any]]) -> Callable[[int, int], list[dict[str, Any]]]:
+    """Every source loaded at (world, stage), one run of processes per configuration (spawning
+    ranks that import transformers is what costs); at world 2 rank 1 also asks for a directory
+    that does not exist, to see every rank fail together."""
     srcs = {n: {k: s[k] for k in ("url", "options", "model")} for n, s in sources.items()}
-    results = run_ranks(_load_all, world, stage, srcs)
+    runs: dict[tuple[int, int], list[dict[str, Any]]] = {}
+
+    def get(world: int, stage: int) -> list[dict[str, Any]]:
+        if (world, stage) not in runs:
+            runs[(world, stage)] = run_ranks(load_all, world, stage, srcs, str(sources["zgpt"]["dir"]) if world == 2 else None)
+        return runs[(world, stage)]
+
+    return get
+
+
+@pytest.mark.parametrize(
+    "world,stage",
+    [(2, 3), (3, 1), pytest.param(3, 3, marks=pytest.mark.slow), pytest.param(2, 1, marks=pytest.mark.slow)],
+)
+def test_load_pretrained(sources: dict[str, dict[str, Any]], loaded: Callable, world: int, stage: int) -> None:
+    results = loaded(world, stage)
     for name, src in sources.items():
         what = f"{name} at world {world} stage {stage}"
         for r in results:
@@ -105,7 +113,7 @@ def _bad_sources(root: Path, good: Path) -> dict[str, tuple[Path, str]]:
     raw = json.dumps(moved).encode()
     case("outside", {"model.safetensors": struct.pack("<Q", len(raw)) + raw + data[8 + n :]},
          rf"tensor '{key}' has data_offsets \[{a + 10**6}, {b + 10**6}\] outside the file")
-    state = {k: v for k, v in _tensors(good).items()}
+    state = _tensors(good)
     without = {k: v for k, v in state.items() if k != key}
     case("missing", {}, rf"missing keys \['{key}'\], unexpected keys \[\]")
     save_file(without, root / "missing" / "model.safetensors", metadata={"format": "pt"})
@@ -124,8 +132,6 @@ def _bad_sources(root: Path, good: Path) -> dict[str, tuple[Path, str]]:
 
 
 def _tensors(d: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
     return load_file(d / "model.safetensors")
 
 
@@ -195,21 +201,8 @@ def test_header_reads_and_merged_ranges(sources: dict[str, dict[str, Any]]) -> N
 # ------------------------------------------------------------- ranks that disagree do not hang
 
 
-def _one_rank_fails(rank: int, world: int, good: str) -> dict[str, Any]:
-    engine = engine_for(zgpt(1), 3)
-    before = engine.full_state_dict()
-    try:
-        zeroray.load_pretrained(engine, good if rank == 0 else good + "-missing-on-rank-1")
-        error = None
-    except PretrainedError as e:
-        error = str(e)
-    after = engine.full_state_dict()
-    engine.close()
-    return {"error": error, "same": all(torch.equal(before[k], after[k]) for k in before)}
-
-
-def test_a_failing_rank_fails_every_rank(sources: dict[str, dict[str, Any]]) -> None:
-    r0, r1 = run_ranks(_one_rank_fails, 2, str(sources["zgpt"]["dir"]))
+def test_a_failing_rank_fails_every_rank(loaded: Callable) -> None:
+    r0, r1 = (r["one_rank_fails"] for r in loaded(2, 3))
     assert r1["error"] and "-missing-on-rank-1 do not exist" in r1["error"]
     assert r0["error"] and "failed on another rank (no weights changed): rank 1:" in r0["error"]
     assert r0["same"] and r1["same"]
