@@ -179,26 +179,30 @@ def test_key_map_and_prefixes(sources: dict[str, dict[str, Any]]) -> None:
     engine.close()
 
 
-def test_header_reads_and_merged_ranges(sources: dict[str, dict[str, Any]]) -> None:
-    """The header costs two small reads; adjacent byte ranges of one file become one request."""
+def test_header_reads_and_merged_ranges(sources: dict[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The header costs two small reads; adjacent byte ranges of one file become one request, and
+    a request never holds more than MAX_RUN bytes (a larger tensor is read in parts)."""
     import fsspec
 
+    from zeroray.checkpoint import safetensors_file
+
     path = str(sources["llama"]["dir"] / "model.safetensors")
-    reader = RangeReader(fsspec.filesystem("file"))
-    f = read_header(reader, path, path)
-    assert reader.bytes_read == f.header_bytes < 10_000
-    infos = sorted(f.tensors.values(), key=lambda t: t.start)
-    dests = [torch.empty(t.numel) for t in infos]
-    ranges = merge([(path, t.start, t.end, t.dtype, d) for t, d in zip(infos, dests)])
-    assert len(ranges) == 1 and ranges[0].start == f.header_bytes and ranges[0].end == f.size
-    reader.fill(ranges, {path: path})
-    assert reader.bytes_read == f.size
     want = sources["llama"]["expected"]
-    for t, d in zip(infos, dests):
-        assert torch.equal(d.view(t.shape), want[t.key])
-
-
-# ------------------------------------------------------------- ranks that disagree do not hang
+    for max_run, requests in ((64 << 20, 1), (10_000, None)):
+        monkeypatch.setattr(safetensors_file, "MAX_RUN", max_run)
+        reader = RangeReader(fsspec.filesystem("file"))
+        f = read_header(reader, path, path)
+        assert reader.bytes_read == f.header_bytes < 10_000
+        infos = sorted(f.tensors.values(), key=lambda t: t.start)
+        dests = [torch.empty(t.numel) for t in infos]
+        ranges = merge([(path, t.start, t.end, t.dtype, d) for t, d in zip(infos, dests)])
+        assert ranges[0].start == f.header_bytes and ranges[-1].end == f.size
+        assert all(r.end - r.start <= max_run for r in ranges)
+        assert len(ranges) == requests if requests else len(ranges) > (f.size - f.header_bytes) // max_run
+        reader.fill(ranges, {path: path})
+        assert reader.bytes_read == f.size
+        for t, d in zip(infos, dests):
+            assert torch.equal(d.view(t.shape), want[t.key])
 
 
 def test_a_failing_rank_fails_every_rank(loaded: Callable) -> None:

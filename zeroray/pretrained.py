@@ -218,10 +218,18 @@ def _plan(
         raise PretrainedError(
             f"{url} does not fit this {type(engine.module).__name__}"
             + (f" (after {prefix})" if prefix else "")
-            + f": missing keys {sorted(missing)}, unexpected keys {unexpected}, shape mismatches {mismatched}"
+            + f": missing keys {_few(sorted(missing))}, unexpected keys {_few(unexpected)}, shape mismatches "
+            f"{_few(mismatched)}"
             + " (pass key_map to rename keys, or strict=False to load what fits)"
         )
     return _Plan(files, params, bufs, where, sorted(missing), unexpected, mismatched, prefix)
+
+
+def _few(names: list[str], most: int = 20) -> str:
+    """A list for a message: all of a short one, the first ``most`` of a long one and a count."""
+    if len(names) <= most:
+        return str(names)
+    return str(names[:most])[:-1] + f", ... and {len(names) - most} more]"
 
 
 def _files(reader: RangeReader, url: str, root: str) -> tuple[list[SafetensorsFile], dict[str, SafetensorsFile]]:

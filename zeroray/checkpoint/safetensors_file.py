@@ -147,10 +147,11 @@ def _scatter(r: Range, data: bytes) -> None:
 
 
 def merge(pieces: Sequence[tuple[str, int, int, torch.dtype, torch.Tensor]]) -> list[Range]:
-    """(path, start, end, source dtype, 1-D CPU destination) pieces as requests, byte-adjacent ones
-    of one file merged up to MAX_RUN bytes."""
+    """(path, start, end, source dtype, 1-D CPU destination) pieces as requests: a piece larger
+    than MAX_RUN cut into parts (one request's bytes are held in memory at once), byte-adjacent
+    ones of one file merged up to MAX_RUN bytes."""
     out: list[Range] = []
-    for path, start, end, dtype, dest in sorted(pieces, key=lambda p: (p[0], p[1])):
+    for path, start, end, dtype, dest in sorted(_split(pieces), key=lambda p: (p[0], p[1])):
         sink = (start, (end - start) // dtype.itemsize, dtype, dest)
         last = out[-1] if out else None
         if last is not None and last.path == path and last.end == start and end - last.start <= MAX_RUN:
@@ -158,6 +159,17 @@ def merge(pieces: Sequence[tuple[str, int, int, torch.dtype, torch.Tensor]]) -> 
         else:
             out.append(Range(path, start, end, (sink,)))
     return out
+
+
+def _split(
+    pieces: Sequence[tuple[str, int, int, torch.dtype, torch.Tensor]],
+) -> Iterator[tuple[str, int, int, torch.dtype, torch.Tensor]]:
+    for path, start, _end, dtype, dest in pieces:
+        step = max(1, MAX_RUN // dtype.itemsize)
+        for i in range(0, dest.numel(), step):
+            part = dest[i : i + step]
+            lo = start + i * dtype.itemsize
+            yield path, lo, lo + part.numel() * dtype.itemsize, dtype, part
 
 
 def read_header(reader: RangeReader, path: str, url: str) -> SafetensorsFile:
