@@ -101,10 +101,14 @@ def load_pretrained(
     state is dropped and the step counters restart at 0 (an LR scheduler's progress is not reset).
     """
     start = time.perf_counter()
-    fs, root = open_url(source, storage_options)
-    reader = RangeReader(fs)
     states = engine.shard_state()
-    plan = _outcome(engine, lambda: _plan(engine, states, reader, source, root, strict, key_map), "reading the headers of")
+
+    def headers() -> tuple[RangeReader, _Plan]:
+        fs, root = open_url(source, storage_options)
+        reader = RangeReader(fs)
+        return reader, _plan(engine, states, reader, source, root, strict, key_map)
+
+    reader, plan = _outcome(engine, headers, "reading the headers of")
     tensors, buffers = {}, {}
     urls = {f.path: f.url for f in plan.files}
 
