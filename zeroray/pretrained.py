@@ -159,13 +159,16 @@ def _outcome(engine: ZeroEngine, fn: Callable[[], Any], what: str, reader: Range
 
 
 def _destination(gs: GroupShard, plan: _Plan, pieces: list) -> torch.Tensor:
-    """This rank's new flat shard of one group: the current values (padding, and what the file
-    lacks under strict=False), with a read planned into every element the file holds."""
-    current = gs.tensors["weight"]
-    dest = current.detach().to("cpu", copy=True).reshape(-1)
+    """This rank's new flat shard of one group, with a read planned into every element the file
+    holds; the rest (padding, and what the file lacks under strict=False) keeps its current value."""
+    current = gs.tensors["weight"].detach().reshape(-1)
+    dest = torch.empty(current.numel(), dtype=current.dtype)
+    tail = max(0, gs.numel - gs.lo)
+    dest[tail:] = current[tail:].cpu()
     for p in layout.pieces(gs.slots, gs.lo, min(gs.hi, gs.numel)):
         info = plan.params.get(p.name)
         if info is None:
+            dest[p.f_lo - gs.lo : p.f_hi - gs.lo] = current[p.f_lo - gs.lo : p.f_hi - gs.lo].cpu()
             continue
         size = info.dtype.itemsize
         path = plan.where[info.key].path
