@@ -108,7 +108,7 @@ def load_pretrained(
         reader = RangeReader(fs)
         return reader, _plan(engine, states, reader, source, root, strict, key_map)
 
-    reader, plan = _outcome(engine, headers, "reading the headers of")
+    (reader, plan), _ = _agree(engine, headers, "reading the headers of")
     tensors, buffers = {}, {}
     urls = {f.path: f.url for f in plan.files}
 
@@ -122,7 +122,7 @@ def load_pretrained(
             buffers[name] = dest.view(info.shape)
         reader.fill(merge(pieces), urls)
 
-    total = _outcome(engine, read, "reading", reader)
+    _, total = _agree(engine, read, "reading", reader)
     with torch.no_grad():
         named = dict(engine.module.named_buffers())
         for name, value in buffers.items():
@@ -135,10 +135,12 @@ def load_pretrained(
     )
 
 
-def _outcome(engine: ZeroEngine, fn: Callable[[], Any], what: str, reader: RangeReader | None = None) -> Any:
+def _agree(
+    engine: ZeroEngine, fn: Callable[[], Any], what: str, reader: RangeReader | None = None
+) -> tuple[Any, int]:
     """Collective: run ``fn`` on every rank; if it raised anywhere, raise on every rank (this rank's
-    own error as it is, else the failing ranks' messages). With ``reader``, also returns the bytes
-    all ranks read."""
+    own error as it is, else the failing ranks' messages). Returns what ``fn`` returned and the
+    bytes ``reader`` has read on all ranks together."""
     error: BaseException | None = None
     result = None
     try:
@@ -155,7 +157,7 @@ def _outcome(engine: ZeroEngine, fn: Callable[[], Any], what: str, reader: Range
     failed = [f"rank {r}: {msg}" for r, (msg, _) in enumerate(everyone) if msg]
     if failed:
         raise PretrainedError(f"{what} the pretrained weights failed on another rank (no weights changed): " + "; ".join(failed))
-    return sum(n for _, n in everyone) if reader is not None else result
+    return result, sum(n for _, n in everyone)
 
 
 def _destination(gs: GroupShard, plan: _Plan, pieces: list) -> torch.Tensor:
