@@ -3,10 +3,10 @@
 ``model-00001-of-0000N.safetensors`` files cut by size plus ``model.safetensors.index.json``
 (``{"metadata": {"total_size": ...}, "weight_map": {name: file}}``), and ``config.json`` when the
 saved model had a Hugging Face config (the save keeps it in the manifest): the directory is what
-``save_pretrained`` writes, so ``from_pretrained`` and :func:`zeroray.load_pretrained` read it. No process group: the tensors
-of one output file are read from the rank files (verified range reads), cast, and streamed out in
-the safetensors format (8-byte header length, JSON header, raw data), so memory stays near one
-output file.
+``save_pretrained`` writes, so ``from_pretrained`` and :func:`zeroray.load_pretrained` read it.
+No process group: the tensors of one output file are read from the rank files (verified range
+reads), cast, and streamed out in the safetensors format (8-byte header length, JSON header, raw
+data), so memory stays near one output file.
 
 The files are written into a temporary directory next to ``out_dir`` and moved into place at the
 end, so a failed export leaves nothing behind and re-exporting into the same directory leaves no
