@@ -46,7 +46,8 @@ DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool,
 }
 MAX_HEADER = 100 << 20  # the safetensors package's own limit
-MAX_RUN = 64 << 20  # bytes per merged range request
+MAX_RUN = 16 << 20  # bytes per range request (merged or cut to it)
+_BATCH = 128 << 20  # bytes of requests in flight at once on object stores (cat_ranges runs them concurrently)
 _IOV_MAX = 1024  # buffers per preadv call (Linux's IOV_MAX)
 
 
@@ -157,11 +158,11 @@ class RangeReader:
 
 
 def _batches(ranges: Sequence[Range]) -> Iterator[list[Range]]:
-    """Ranges grouped so that one ``cat_ranges`` call holds at most MAX_RUN bytes (or one range)."""
+    """Ranges grouped so that one ``cat_ranges`` call holds at most _BATCH bytes (or one range)."""
     batch: list[Range] = []
     size = 0
     for r in ranges:
-        if batch and size + r.end - r.start > MAX_RUN:
+        if batch and size + r.end - r.start > _BATCH:
             yield batch
             batch, size = [], 0
         batch.append(r)
