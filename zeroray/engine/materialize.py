@@ -50,29 +50,35 @@ def compute_device(model: nn.Module, device: str | torch.device | None, process_
     real = sorted({str(p.device) for p in model.parameters() if not p.is_meta})
     if len(real) > 1:
         raise ValueError(f"all model parameters must be on one real device (or on meta), found {real}")
+    wanted = None if device is None else _usable(device)
     if real:
         found = torch.device(real[0])
-        if device is not None and torch.device(device) != found:
+        if wanted is not None and wanted != found:
             raise ValueError(
                 f"device={str(device)!r} but the model's non-meta parameters are on {found}; move the model "
                 "there or leave device out"
             )
         return found
-    if device is None:
-        backend = None if process_group is None else str(dist.get_backend(process_group)).lower()
-        if torch.cuda.is_available() and backend in (None, "nccl"):
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+    if wanted is not None:
+        return wanted
+    backend = None if process_group is None else str(dist.get_backend(process_group)).lower()
+    if torch.cuda.is_available() and backend in (None, "nccl"):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _usable(device: str | torch.device) -> torch.device:
+    """``device`` as a concrete device this process can allocate on, or a clear error."""
     out = torch.device(device)
     if out.type == "meta":
         raise ValueError("device='meta' cannot hold the engine's buffers; give the device to compute on")
     if out.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"device={str(device)!r} but CUDA is not available in this process")
-        if out.index is not None and out.index >= torch.cuda.device_count():
-            raise ValueError(f"device={str(device)!r} but this process sees {torch.cuda.device_count()} CUDA device(s)")
         if out.index is None:
-            out = torch.device("cuda", torch.cuda.current_device())
+            return torch.device("cuda", torch.cuda.current_device())
+        if out.index >= torch.cuda.device_count():
+            raise ValueError(f"device={str(device)!r} but this process sees {torch.cuda.device_count()} CUDA device(s)")
     return out
 
 
