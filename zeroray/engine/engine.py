@@ -84,6 +84,8 @@ class ZeroEngine:
         # ---- validation: everything that can be wrong fails here, before any communication
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if init_fn is not None and not callable(init_fn):
+            raise TypeError(f"init_fn must be a callable module -> None, got {type(init_fn).__name__}")
         config = load_config(config, model=model, optimizer=optimizer)
         if process_group is None and dist.is_available() and dist.is_initialized():
             process_group = dist.group.WORLD

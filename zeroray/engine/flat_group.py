@@ -85,9 +85,10 @@ class FlatGroup:
         # Built sharded: all-meta parameters that will be sharded need no full buffer at set-up.
         self._built_sharded = not self.has_real and sharding.shards_params
         if self._built_sharded:
-            self.full = torch.empty(0, dtype=compute_dtype, device=device).set_(
-                torch.UntypedStorage(0, device=device), 0, (self.padded,), (1,)
-            )
+            # A tensor of this shape cannot be made over less storage: allocate (untouched) and
+            # free at once, as FSDP2 does; the storage comes back at the first gather.
+            self.full = torch.empty(self.padded, dtype=compute_dtype, device=device)
+            self.full.untyped_storage().resize_(0)
             self.shard = torch.zeros(self.shard_numel, dtype=compute_dtype, device=device)
             self.state = ParamState.FREED
         else:

@@ -72,6 +72,8 @@ def _usable(device: str | torch.device) -> torch.device:
     out = torch.device(device)
     if out.type == "meta":
         raise ValueError("device='meta' cannot hold the engine's buffers; give the device to compute on")
+    if out.type == "cpu":
+        return torch.device("cpu")  # "cpu:0" is the CPU too
     if out.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"device={str(device)!r} but CUDA is not available in this process")
@@ -93,8 +95,6 @@ class MetaInit:
     """Which modules get initialized, in which order, and how (validated at construction)."""
 
     def __init__(self, model: nn.Module, init_fn: InitFn | None):
-        if init_fn is not None and not callable(init_fn):
-            raise TypeError(f"init_fn must be a callable module -> None, got {type(init_fn).__name__}")
         self.init_fn = init_fn
         self.holders: list[_Holder] = []
         for name, m in model.named_modules():
