@@ -8,6 +8,7 @@ whose constructor draws from the RNG in that order, it is simply the model built
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -130,9 +131,22 @@ def _worker(rank: int, world: int) -> dict:
     return out
 
 
+def _all(rank: int, world: int) -> dict:
+    out = {"main": _worker(rank, world)}
+    if world == 2:  # one start of the processes for the tests below too: spawning costs more than they do
+        out["partial"] = _partial(rank, world)
+        out["peak"] = _setup_peak(rank, world)
+    return out
+
+
+@functools.cache
+def _results(world: int) -> list[dict]:
+    return run_ranks(_all, world)
+
+
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_meta_built_models_equal_cpu_built_train_like_ddp_and_broadcast_nothing(world: int) -> None:
-    for rank, res in enumerate(run_ranks(_worker, world)):
+    for rank, res in enumerate(r["main"] for r in _results(world)):
         ddp_losses, ddp_state, _ = res["ddp"]
         for stage in range(4):
             init, setup, (losses, trained) = res[("stack", stage)]
@@ -189,7 +203,7 @@ def _partial(rank: int, world: int) -> dict:
 
 
 def test_partial_meta_real_part_from_rank0_meta_part_initialized_everywhere() -> None:
-    results = run_ranks(_partial, 2)
+    results = [r["partial"] for r in _results(2)]
     for stage in (1, 3):
         rank0_real = results[0][stage]["real"]
         for res in results:
@@ -251,7 +265,7 @@ def _setup_peak(rank: int, world: int) -> dict:
 
 
 def test_stage3_setup_peak_within_persistent_plus_largest_unit() -> None:
-    for r in run_ranks(_setup_peak, 2):
+    for r in (res["peak"] for res in _results(2)):
         bound = 1.1 * (r["persistent"] + r["largest_unit"])
         assert r["peak"] <= bound, r
         # Teeth: materializing the whole model beside the shards would break the bound.
