@@ -17,10 +17,13 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 import zeroray
+import zeroray.train as zt
 from tests.dist_harness import run_ranks
 from tests.models import Block, TinyLM, batches, param_groups
+from tests.ray_helpers import assert_nothing_left
 from tests.test_engine_parity import CLIP, GAS, LR, _reference
 from zeroray.models.gpt import GPT, GPTConfig
+from zeroray.train import RunConfig, ScalingConfig, ZeroTrainer
 
 SEED = 7
 
@@ -112,9 +115,11 @@ def _worker(rank: int, world: int) -> dict:
     gpt_ref = _state(_reference_init(_meta(lambda: GPT(GPT_CFG)), gpt_init, [("lm_head.weight", "transformer.wte.weight")]))
     out["tiny_ref"], out["gpt_ref"] = tiny_ref, gpt_ref
     for stage in range(4):
-        engine = _engine(_meta(StackLM), stage)  # reset_parameters path
+        model = _meta(StackLM)
+        engine = _engine(model, stage)  # reset_parameters path
         out[("stack", stage)] = (engine.full_state_dict(), engine.setup_comm_report(), _train(engine, data))
         engine.close()
+        out[("stack_closed", stage)] = _state(model)  # close() gives the model its full weights
         model = _meta(TinyLM)
         engine = _engine(model, stage, init_fn=tiny_init)
         out[("tiny", stage)] = (engine.full_state_dict(), engine.setup_comm_report(), model.pos_scale.clone())
@@ -157,6 +162,7 @@ def test_meta_built_models_equal_cpu_built_train_like_ddp_and_broadcast_nothing(
             torch.testing.assert_close(torch.tensor(losses), torch.tensor(ddp_losses), msg=f"stage {stage}")
             for name, want in ddp_state.items():
                 torch.testing.assert_close(trained[name], want, msg=f"stage {stage} {name}")
+                assert torch.equal(res[("stack_closed", stage)][name], trained[name])
 
             init, setup, pos_scale = res[("tiny", stage)]
             for name, want in res["tiny_ref"].items():
@@ -270,3 +276,33 @@ def test_stage3_setup_peak_within_persistent_plus_largest_unit() -> None:
         assert r["peak"] <= bound, r
         # Teeth: materializing the whole model beside the shards would break the bound.
         assert r["persistent"] + r["model"] > bound, r
+
+
+def _prepare_loop() -> None:
+    model = _meta(TinyLM)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)  # over the meta parameters
+    torch.manual_seed(SEED)
+    engine = zt.prepare(model, opt, init_fn=tiny_init)
+    init = {k: v.tolist() for k, v in engine.full_state_dict().items()}
+    for x, y in batches(zt.get_context().get_world_rank(), 2):
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        zt.report({"loss": loss.item()})
+    zt.report({"init": init, "setup": engine.setup_comm_report(), "step": engine.global_step})
+
+
+def test_prepare_takes_a_meta_model_and_init_fn(ray_cluster, tmp_path) -> None:
+    result = ZeroTrainer(
+        _prepare_loop,
+        zero_config={"zero_optimization": {"stage": 3}},
+        scaling_config=ScalingConfig(num_workers=2),
+        run_config=RunConfig(name="meta-prepare", storage_path=str(tmp_path), progress_bar=False),
+    ).fit()
+    want = _state(_reference_init(_meta(TinyLM), tiny_init, [("head.weight", "wte.weight")]))
+    got = result.metrics["init"]
+    assert got.keys() == want.keys()
+    for name, ref in want.items():
+        assert torch.equal(torch.tensor(got[name]), ref), name
+    assert result.metrics["setup"] == {} and result.metrics["step"] == 2
+    assert_nothing_left("meta-prepare")
