@@ -233,6 +233,14 @@ def test_bad_init_fn_and_device_fail_early_with_clear_errors() -> None:
     tiny = _meta(TinyLM)
     with pytest.raises(ValueError, match=r"wpe, pos_scale are held only by modules without reset_parameters"):
         zeroray.initialize(tiny, torch.optim.SGD(tiny.parameters(), lr=0.1))
+    def reaches_into_a_child(m: nn.Module) -> None:
+        tiny_init(m)
+        if isinstance(m, TinyLM):  # the blocks are still on meta when the root's turn comes
+            nn.init.zeros_(m.h[0].fc.bias)
+
+    tiny = _meta(TinyLM)
+    with pytest.raises(RuntimeError, match=r"initializer of the model \(TinyLM\) ran aten.zero_.* shape \(40,\) .* still on the meta"):
+        zeroray.initialize(tiny, torch.optim.SGD(tiny.parameters(), lr=0.1), init_fn=reaches_into_a_child)
     with pytest.raises(ValueError, match="device='meta' cannot hold"):
         zeroray.initialize(_meta(StackLM), lambda ps: torch.optim.SGD(ps, lr=0.1), device="meta")
     engine = zeroray.initialize(real, torch.optim.SGD(real.parameters(), lr=0.1), device="cpu:0")

@@ -16,8 +16,8 @@ device (ties kept), seeded the same, with the same initializer run over ``model.
 
 The initializer of a module is ``init_fn(module)`` when given, else ``module.reset_parameters()``.
 It must write only the module's own tensors (``recurse=False``), as torch's ``reset_parameters`` do:
-a submodule's tensors are still on meta when their parent's initializer runs, and a write to a meta
-tensor does nothing. A real (non-meta) tensor of a module that also holds meta ones keeps its value:
+a submodule's tensors are still on meta when their parent's initializer runs, and an op on a meta
+tensor would silently do nothing (and draw nothing from the RNG), so it raises, naming both. A real (non-meta) tensor of a module that also holds meta ones keeps its value:
 the initializer writes a scratch copy. A meta tensor no initializer writes holds zeros, the same on
 every rank; without ``init_fn`` a meta tensor whose modules have no ``reset_parameters`` is refused
 up front, since it would certainly stay zero.
@@ -31,6 +31,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 InitFn = Callable[[nn.Module], None]
 # Called with a materialized tensor once the last module holding it was initialized; returns True
@@ -129,7 +131,8 @@ class MetaInit:
                     elif id(t) not in self.last:  # a real tensor: the initializer writes a scratch copy
                         shielded.append((t, t.data))
                         t.data = torch.zeros(t.shape, dtype=t.dtype, device=t.device)
-                self._initialize(h.module)
+                with _RefuseMeta(h):
+                    self._initialize(h.module)
                 for t, data in shielded:
                     t.data = data
                 for t in h.tensors:
@@ -144,6 +147,29 @@ class MetaInit:
             reset = getattr(module, "reset_parameters", None)
             if callable(reset):
                 reset()
+
+
+class _RefuseMeta(TorchDispatchMode):
+    """While one module's initializer runs: an op on a tensor still on meta (a submodule's, not
+    materialized yet) raises instead of silently doing nothing. Scoped to that call; no patching."""
+
+    def __init__(self, holder: _Holder):
+        super().__init__()
+        self.holder = holder
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        meta = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.is_meta]
+        if meta:
+            h = self.holder
+            where = f"module {h.name!r} ({type(h.module).__name__})" if h.name else f"the model ({type(h.module).__name__})"
+            raise RuntimeError(
+                f"the initializer of {where} ran {func} on a tensor of shape {tuple(meta[0].shape)} that is "
+                "still on the meta device, which would do nothing: an initializer (init_fn(module) or "
+                "reset_parameters()) may write only its module's own parameters and buffers; a submodule's "
+                "get initialized at its own turn in model.modules() order"
+            )
+        return func(*args, **kwargs)
 
 
 def _materialize(t: torch.Tensor, device: torch.device) -> None:
