@@ -128,6 +128,15 @@ def _worker(rank: int, world: int) -> dict:
             engine = _engine(_meta(lambda: GPT(GPT_CFG)), stage, init_fn=gpt_init)
             out[("gpt", stage)] = engine.full_state_dict()
             engine.close()
+    for stage in (1, 3):  # bf16: the meta build lands in the same bf16 params and fp32 masters
+        states = []
+        for build in (StackLM, lambda: _meta(StackLM)):
+            torch.manual_seed(SEED)
+            model = build()
+            engine = zeroray.initialize(model, lambda ps: torch.optim.SGD(ps, lr=0.1), zeroray.ZeroConfig(stage=stage, precision="bf16"))
+            states.append(engine.full_state_dict())
+            engine.close()
+        out[("bf16", stage)] = states
     # The accounting sees set-up broadcasts when there are some: the same model built real.
     torch.manual_seed(SEED)
     engine = _engine(StackLM(), 3)
@@ -169,6 +178,10 @@ def test_meta_built_models_equal_cpu_built_train_like_ddp_and_broadcast_nothing(
                 assert torch.equal(init[name], want), (stage, rank, name)
             assert torch.equal(pos_scale, torch.linspace(0.5, 1.5, 9).unsqueeze(-1))  # init_fn reached the buffer
             assert setup == {}
+        for stage in (1, 3):
+            real, meta = res[("bf16", stage)]
+            for name, want in real.items():
+                assert torch.equal(meta[name], want), (stage, name)
         for stage in (0, 3):
             for name, want in res["gpt_ref"].items():
                 assert torch.equal(res[("gpt", stage)][name], want), (stage, rank, name)
