@@ -254,6 +254,11 @@ def test_bad_init_fn_and_device_fail_early_with_clear_errors() -> None:
     tiny = _meta(TinyLM)
     with pytest.raises(RuntimeError, match=r"initializer of the model \(TinyLM\) ran aten.zero_.* shape \(40,\) .* still on the meta"):
         zeroray.initialize(tiny, torch.optim.SGD(tiny.parameters(), lr=0.1), init_fn=reaches_into_a_child)
+    tiny = _meta(TinyLM)
+    view = tiny.h[1].proj.weight.view(-1)  # another reference to its storage: it cannot be swapped
+    with pytest.raises(RuntimeError, match=r"cannot materialize the meta tensor 'h.1.proj.weight' in place"):
+        zeroray.initialize(tiny, torch.optim.SGD(tiny.parameters(), lr=0.1), init_fn=tiny_init)
+    del view
     with pytest.raises(ValueError, match="device='meta' cannot hold"):
         zeroray.initialize(_meta(StackLM), lambda ps: torch.optim.SGD(ps, lr=0.1), device="meta")
     engine = zeroray.initialize(real, torch.optim.SGD(real.parameters(), lr=0.1), device="cpu:0")

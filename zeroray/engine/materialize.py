@@ -127,7 +127,7 @@ class MetaInit:
                 shielded = []
                 for t in h.tensors:
                     if t.is_meta:
-                        _materialize(t, device)
+                        _materialize(t, device, h)
                     elif id(t) not in self.last:  # a real tensor: the initializer writes a scratch copy
                         shielded.append((t, t.data))
                         t.data = torch.zeros(t.shape, dtype=t.dtype, device=t.device)
@@ -172,9 +172,17 @@ class _RefuseMeta(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def _materialize(t: torch.Tensor, device: torch.device) -> None:
+def _materialize(t: torch.Tensor, device: torch.device, holder: _Holder) -> None:
     """Give the meta tensor ``t`` zero-filled storage on ``device``, keeping its Python object
     (ties, the optimizer's param groups and the modules all hold that object)."""
     data = torch.zeros(t.shape, dtype=t.dtype, device=device)
     new = nn.Parameter(data, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else data
-    torch.utils.swap_tensors(t, new)
+    try:
+        torch.utils.swap_tensors(t, new)
+    except RuntimeError as e:
+        attr = next(k for k, v in [*holder.module._parameters.items(), *holder.module._buffers.items()] if v is t)
+        name = f"{holder.name}.{attr}" if holder.name else attr
+        raise RuntimeError(
+            f"cannot materialize the meta tensor {name!r} in place ({e}); drop views of or weak "
+            "references to the model's meta tensors before zeroray.initialize"
+        ) from e
