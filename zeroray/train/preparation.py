@@ -3,6 +3,7 @@ resume it from the run's newest committed checkpoint, so ``engine.global_step`` 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -11,6 +12,8 @@ import torch
 from zeroray.train import checkpoint_manager
 from zeroray.train.context import get_session
 
+logger = logging.getLogger(__name__)
+
 
 def prepare(
     model: torch.nn.Module,
@@ -18,6 +21,8 @@ def prepare(
     lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
     *,
     init_fn: Callable[[torch.nn.Module], None] | None = None,
+    pretrained: str | None = None,
+    pretrained_key_map: Any = None,
 ) -> Any:
     """Move ``model`` to this rank's device and return ``zeroray.initialize(model, optimizer, config)``.
 
@@ -34,6 +39,12 @@ def prepare(
     or in a new ``fit()`` with the same name — every rank loads the newest one, whatever world size and
     stage saved it: weights, optimizer and scheduler state, step counters. Loop from
     ``engine.global_step`` on; use a new ``RunConfig.name`` to start from scratch.
+
+    ``pretrained``: a Hugging Face safetensors directory (any fsspec URL; ``RunConfig.storage_options``
+    are used) loaded into the shards by ``zeroray.load_pretrained`` (strict, ``pretrained_key_map`` as
+    its ``key_map``) when the run has no checkpoint yet; on a resume the run's own checkpoint wins.
+    Build the model on the meta device with an ``init_fn`` that sets what the file lacks (e.g. HF's
+    ``model._init_weights`` for the rotary ``inv_freq`` buffers).
     """
     session = get_session("prepare()")
     if session.engine is not None:
@@ -62,6 +73,15 @@ def prepare(
         device=device,
     )
     session.engine = engine
-    checkpoint_manager.resume(session)
+    if not checkpoint_manager.resume(session) and pretrained is not None:
+        from zeroray.pretrained import load_pretrained
+
+        report = load_pretrained(engine, pretrained, key_map=pretrained_key_map, storage_options=session.storage_options)
+        if session.context.get_world_rank() == 0:
+            logger.info(
+                "zeroray: loaded pretrained weights from %s: %d tensors in %.2f s; the ranks read %.1f MB of the "
+                "checkpoint's %.1f MB (this rank %.1f MB)", pretrained, len(report.loaded), report.seconds,
+                report.total_bytes_read / 1e6, report.checkpoint_bytes / 1e6, report.bytes_read / 1e6,
+            )
     session.last_global_step = engine.global_step
     return engine
