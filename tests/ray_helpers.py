@@ -6,7 +6,7 @@ import time
 from collections.abc import Sequence
 
 import psutil
-from ray.util.state import list_actors, list_placement_groups
+from ray.util import state
 
 from zeroray.train import RunConfig
 
@@ -14,6 +14,22 @@ from zeroray.train import RunConfig
 def run_config(tmp_path, name: str, **kw) -> RunConfig:
     """A run under ``tmp_path/runs`` without a progress display."""
     return RunConfig(name=name, storage_path=str(tmp_path / "runs"), progress_bar=False, **kw)
+
+
+def list_actors(**kw) -> list:
+    """The state API on this process's cluster: without an address it looks for one, and fails when
+    several Ray clusters run on the machine."""
+    return state.list_actors(address=_dashboard(), **kw)
+
+
+def list_placement_groups(**kw) -> list:
+    return state.list_placement_groups(address=_dashboard(), **kw)
+
+
+def _dashboard() -> str:
+    from ray._private.worker import get_dashboard_url
+
+    return f"http://{get_dashboard_url()}"
 
 
 def zeroray_actors(run: str) -> list:

@@ -20,10 +20,15 @@ import pytest
 import ray
 import torch
 import torch.distributed as dist
-from ray.util.state import list_actors, list_placement_groups
 
 import zeroray.train as zt
-from tests.ray_helpers import assert_nothing_left, run_config, zeroray_actors
+from tests.ray_helpers import (
+    assert_nothing_left,
+    list_actors,
+    list_placement_groups,
+    run_config,
+    zeroray_actors,
+)
 from zeroray.train import FailureConfig, RunConfig, ScalingConfig, TrainingFailedError, ZeroTrainer
 from zeroray.train.storage import StorageError
 

@@ -14,10 +14,9 @@ import ray
 import torch
 import torch.distributed as dist
 from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.state import list_actors, list_placement_groups
 
 import zeroray.train as zt
-from tests.ray_helpers import assert_nothing_left, run_config
+from tests.ray_helpers import assert_nothing_left, list_actors, list_placement_groups, run_config
 from zeroray.train import FailureConfig, RunConfig, ScalingConfig, TrainingFailedError, ZeroTrainer
 from zeroray.train.storage import StorageError
 
