@@ -11,8 +11,8 @@ Ray cluster of the machine), and other Ray users of this machine never see it as
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import shutil
 import signal
 import socket
@@ -96,33 +96,47 @@ def fake_multinode_config(source: dict, gcs_address: str) -> dict:
     }
 
 
-def marked_processes(token: str) -> list[psutil.Process]:
-    """Every live process whose environment carries this cluster's marker."""
+def cluster_processes(token: str, temp_dir: str) -> list[psutil.Process]:
+    """Every live process of this cluster: its environment carries the marker, or it writes under the
+    cluster's temp dir (each Ray process sends its output to the session's log files there). Both,
+    because Ray's renamed processes (``ray::DashboardAgent``, ``ray::IDLE``) overwrite the memory that
+    /proc shows as their environment."""
+    prefix = temp_dir.rstrip("/") + "/"
     found = []
     for proc in psutil.process_iter():
-        try:
-            if proc.environ().get(MARKER) == token and proc.status() != psutil.STATUS_ZOMBIE:
-                found.append(proc)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        if proc.pid == os.getpid():
             continue
+        try:
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+            ours = proc.environ().get(MARKER) == token or any(
+                prefix in arg for arg in proc.cmdline()) or any(
+                os.readlink(f"/proc/{proc.pid}/fd/{fd}").startswith(prefix)
+                for fd in os.listdir(f"/proc/{proc.pid}/fd"))
+        except (psutil.Error, OSError):
+            continue
+        if ours:
+            found.append(proc)
     return found
 
 
-def end_processes(token: str, grace_s: float = 10.0) -> None:
-    """SIGTERM each marked process, wait for them (bounded), SIGKILL the rest."""
-    procs = marked_processes(token)
-    for p in procs:
-        try:
-            p.send_signal(signal.SIGTERM)
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=grace_s)
-    for p in alive + marked_processes(token):  # + anything started while the others were stopping
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(marked_processes(token), timeout=grace_s)
+def end_processes(token: str, temp_dir: str, grace_s: float = 10.0, timeout_s: float = 60.0) -> None:
+    """SIGTERM each process of the cluster, SIGKILL what still runs ``grace_s`` later; again for any
+    process started meanwhile, until none is left or ``timeout_s`` has passed."""
+    deadline = time.monotonic() + timeout_s
+    first_seen: dict[int, float] = {}
+    while time.monotonic() < deadline:
+        procs = cluster_processes(token, temp_dir)
+        if not procs:
+            return
+        now = time.monotonic()
+        for p in procs:
+            late = now - first_seen.setdefault(p.pid, now) >= grace_s
+            try:
+                p.send_signal(signal.SIGKILL if late else signal.SIGTERM)
+            except psutil.Error:
+                pass
+        psutil.wait_procs(procs, timeout=1.0)
 
 
 class FakeCluster:
@@ -176,8 +190,8 @@ def fake_cluster(tmp_path: Path) -> Iterator[FakeCluster]:
         assert started.returncode == 0, f"ray start failed: {started.stdout[-2000:]}{started.stderr[-2000:]}"
         yield FakeCluster(token, temp_dir, gcs_address, f"http://127.0.0.1:{dashboard_port}", env)
     finally:
-        end_processes(token)
-        left = marked_processes(token)
+        end_processes(token, temp_dir)
+        left = cluster_processes(token, temp_dir)
         shutil.rmtree(temp_dir, ignore_errors=True)
         assert not left, f"processes of the fake cluster left running: {[(p.pid, p.name()) for p in left]}"
 
