@@ -51,3 +51,20 @@ def test_train_gpt_with_no_steps_or_more_workers_than_cpus(tmp_path: Path) -> No
     assert "Traceback" not in done.stderr
     done = _run(tmp_path, "--workers", "3", "--num-cpus", "3", "--steps", "1", "--name", "three")
     assert "at step 1" in done.stdout and "3 ranks" in done.stdout
+
+
+def test_finetune_hf_loads_pretrained_into_shards_and_exports_for_transformers(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    cmd = [sys.executable, str(ROOT / "examples" / "finetune_hf.py"), "--storage-path", str(tmp_path),
+           "--name", "ft", "--steps", "3", "--hidden", "32", "--layers", "2", "--heads", "2", "--block", "32"]
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = done.stdout
+    assert "val loss: " in out and "at step 1 ->" in out and "at step 3" in out
+    assert "loaded pretrained weights from" in done.stderr  # zt.prepare's log line, with the bytes read
+    exported = sorted(p.name for p in (tmp_path / "ft" / "export").iterdir())
+    assert "config.json" in exported and any(n.endswith(".safetensors") for n in exported)
+    line = next(x for x in out.splitlines() if x.startswith("from_pretrained(export) val loss:"))
+    reloaded = float(line.split(":")[1].split()[0])
+    engine = float(line.rsplit(":", 1)[1].rstrip(")"))
+    assert abs(reloaded - engine) < 1e-4, line

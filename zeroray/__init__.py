@@ -29,6 +29,10 @@ def __getattr__(name: str) -> Any:
         import zeroray.train as train
 
         return getattr(train, name)
+    if name in ("load_pretrained", "LoadReport", "PretrainedError"):
+        import zeroray.pretrained as pretrained
+
+        return getattr(pretrained, name)
     if name == "estimate":
         from zeroray.estimate import estimate
 
@@ -38,5 +42,6 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "ZeroConfig", "OffloadConfig", "PrecisionPolicy", "load_config", "ZeroEngine", "initialize", "estimate",
+    "load_pretrained", "LoadReport", "PretrainedError",
     *_TRAIN_EXPORTS,
 ]

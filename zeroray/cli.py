@@ -223,9 +223,10 @@ def _ls(run_url: str, verify: bool, options: dict[str, Any]) -> int:
 def _add_export(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "export",
-        help="write a checkpoint as consolidated safetensors files",
-        description="Write a checkpoint's weights as safetensors files cut by size plus an index JSON "
-        "(the Hugging Face layout), streaming, with no process group.",
+        help="write a checkpoint as consolidated safetensors files (the Hugging Face layout)",
+        description="Write a checkpoint's weights as safetensors files cut by size plus an index JSON, and "
+        "the model's config.json when it has a Hugging Face config (the Hugging Face layout: "
+        "from_pretrained and zeroray.load_pretrained read the directory), streaming, with no process group.",
     )
     p.add_argument("checkpoint_url", help="a committed checkpoint directory (any fsspec URL)")
     p.add_argument("out_dir", help="where to write the files")

@@ -1,10 +1,12 @@
 """Export a sharded checkpoint as one consolidated state dict in the Hugging Face layout.
 
 ``model-00001-of-0000N.safetensors`` files cut by size plus ``model.safetensors.index.json``
-(``{"metadata": {"total_size": ...}, "weight_map": {name: file}}``). No process group: the tensors
-of one output file are read from the rank files (verified range reads), cast, and streamed out in
-the safetensors format (8-byte header length, JSON header, raw data), so memory stays near one
-output file.
+(``{"metadata": {"total_size": ...}, "weight_map": {name: file}}``), and ``config.json`` when the
+saved model had a Hugging Face config (the save keeps it in the manifest): the directory is what
+``save_pretrained`` writes, so ``from_pretrained`` and :func:`zeroray.load_pretrained` read it.
+No process group: the tensors of one output file are read from the rank files (verified range
+reads), cast, and streamed out in the safetensors format (8-byte header length, JSON header, raw
+data), so memory stays near one output file.
 
 The files are written into a temporary directory next to ``out_dir`` and moved into place at the
 end, so a failed export leaves nothing behind and re-exporting into the same directory leaves no
@@ -37,7 +39,8 @@ from zeroray.checkpoint.reader import CheckpointReader, Request
 from zeroray.checkpoint.storage import open_url
 
 INDEX = "model.safetensors.index.json"
-_OURS = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$|^" + re.escape(INDEX) + "$")
+CONFIG = "config.json"
+_OURS = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$|^" + re.escape(INDEX) + "$|^" + re.escape(CONFIG) + "$")
 _ST = {
     torch.float32: "F32",
     torch.bfloat16: "BF16",
@@ -137,7 +140,20 @@ def _check_target(fs: AbstractFileSystem, root: str, out_dir: str) -> None:
         )
 
 
-def _write(ckpt: CheckpointReader, shards: list[list[_Item]], fs: AbstractFileSystem, root: str) -> list[str]:
+def _config(ckpt: CheckpointReader, dtype: torch.dtype | None) -> bytes | None:
+    """The model's HF config.json, saved in the manifest by the engine's save, with the dtype the
+    weights are exported in (as ``save_pretrained`` records it); None for a model without one."""
+    config = ckpt.manifest.hf_config
+    if config is None:
+        return None
+    key = "torch_dtype" if "torch_dtype" in config and "dtype" not in config else "dtype"  # transformers < 5: torch_dtype
+    config = {**config, key: str(dtype or torch.float32).removeprefix("torch.")}
+    return (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
+
+
+def _write(
+    ckpt: CheckpointReader, shards: list[list[_Item]], fs: AbstractFileSystem, root: str, config: bytes | None
+) -> list[str]:
     weight_map, written = {}, []
     for i, items in enumerate(shards):
         name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
@@ -149,6 +165,9 @@ def _write(ckpt: CheckpointReader, shards: list[list[_Item]], fs: AbstractFileSy
         written.append(name)
     total = sum(it.nbytes for items in shards for it in items)
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    if config is not None:
+        fs.pipe_file(posixpath.join(root, CONFIG), config)
+        written.append(CONFIG)
     fs.pipe_file(posixpath.join(root, INDEX), json.dumps(index, indent=2).encode())
     return [*written, INDEX]
 
@@ -162,7 +181,9 @@ def export(
     storage_options: dict[str, Any] | None = None,
     out_storage_options: dict[str, Any] | None = None,
 ) -> list[str]:
-    """Write the checkpoint's weights (and persistent buffers) as safetensors files plus an index.
+    """Write the checkpoint's weights (and persistent buffers) as safetensors files plus an index,
+    and the model's ``config.json`` when it has a Hugging Face config (so ``from_pretrained(out_dir)``
+    loads the export as it is).
 
     ``dtype``: "fp32" (default, as saved), "bf16" or "fp16" for floating tensors. ``out_dir`` is
     replaced as a whole (it must be new, empty, or a previous export). Returns the files written,
@@ -177,11 +198,12 @@ def export(
     _check_target(fs, root, out_dir)
     ckpt = CheckpointReader(checkpoint_url, storage_options)
     shards = _plan(_items(ckpt, EXPORT_DTYPES.get(dtype)), max_shard_bytes)
+    config = _config(ckpt, EXPORT_DTYPES.get(dtype))
     tag = uuid.uuid4().hex[:12]
     tmp, old = f"{root}.tmp-{tag}", f"{root}.old-{tag}"
     try:
         fs.makedirs(tmp, exist_ok=True)
-        files = _write(ckpt, shards, fs, tmp)
+        files = _write(ckpt, shards, fs, tmp, config)
         if fs.exists(root):
             fs.mv(root, old, recursive=True)
         fs.mv(tmp, root, recursive=True)

@@ -181,20 +181,26 @@ class Manifest:
     meta: dict[str, Any]
     files: list[FileEntry] = field(default_factory=list)
     version: int = VERSION
+    # The model's Hugging Face config (``model.config``, as its config.json holds it), when it has one:
+    # `zeroray export` writes it beside the weights, so ``from_pretrained(export_dir)`` needs nothing else.
+    hf_config: dict[str, Any] | None = None
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Manifest:
         return cls(
             d["world_size"], d["stage"], [GroupEntry.from_json(g) for g in d["groups"]], d["meta"],
-            [FileEntry.from_json(f) for f in d["files"]], d["version"],
+            [FileEntry.from_json(f) for f in d["files"]], d["version"], d.get("hf_config"),
         )
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "format": FORMAT, "version": self.version, "world_size": self.world_size, "stage": self.stage,
             "groups": [g.to_json() for g in self.groups], "meta": self.meta,
             "files": [f.to_json() for f in self.files],
         }
+        if self.hf_config is not None:  # absent otherwise: manifests of other models are unchanged
+            out["hf_config"] = self.hf_config
+        return out
 
     def sections(self, kind: str) -> Iterator[tuple[FileEntry, SectionEntry]]:
         """(file, section) of every section of ``kind`` ("shard", "rng", "buffer")."""
@@ -232,6 +238,18 @@ class ChunkHasher:
         if self._fill:
             self._close_chunk()
         return self.digests
+
+
+def hf_config(model: Any) -> dict[str, Any] | None:
+    """``model.config`` as Hugging Face's config.json holds it (with ``architectures`` naming the
+    model's class, as ``save_pretrained`` sets it), or None for a model without a HF config."""
+    config = getattr(model, "config", None)
+    if not callable(getattr(config, "to_json_string", None)):
+        return None
+    out = json.loads(config.to_json_string(use_diff=False))
+    if not out.get("architectures"):
+        out["architectures"] = [type(model).__name__]
+    return out
 
 
 def file_digest(chunk_digests: Iterable[str]) -> str:

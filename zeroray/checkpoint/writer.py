@@ -43,6 +43,7 @@ from zeroray.checkpoint.manifest import (
     SlotEntry,
     aligned,
     file_digest,
+    hf_config,
     rank_file,
 )
 from zeroray.checkpoint.storage import apply_retention, delete_checkpoint, open_url, parent_url
@@ -191,7 +192,7 @@ def _start(
     groups, sections = _plan(engine)
     commit = None
     if engine.rank == 0:
-        manifest = Manifest(engine.world_size, engine.stage, groups, engine.state_meta())
+        manifest = Manifest(engine.world_size, engine.stage, groups, engine.state_meta(), hf_config=hf_config(engine.module))
         commit = _Commit(manifest, parent_url(url), num_to_keep, storage_options, commit_timeout)
     return fs, path, sections, commit
 
