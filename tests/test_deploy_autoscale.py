@@ -144,6 +144,18 @@ class FakeCluster:
         self.token, self.temp_dir, self.gcs_address, self.dashboard_url, self.env = (
             token, temp_dir, gcs_address, dashboard_url, env)
 
+    def wait_for_dashboard(self, timeout_s: float) -> None:
+        """``ray start`` returns before the dashboard (the state API's server) answers."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self.nodes()
+                return
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+
     def nodes(self) -> list:
         from ray.util.state import list_nodes
 
@@ -188,7 +200,9 @@ def fake_cluster(tmp_path: Path) -> Iterator[FakeCluster]:
     try:
         started = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
         assert started.returncode == 0, f"ray start failed: {started.stdout[-2000:]}{started.stderr[-2000:]}"
-        yield FakeCluster(token, temp_dir, gcs_address, f"http://127.0.0.1:{dashboard_port}", env)
+        cluster = FakeCluster(token, temp_dir, gcs_address, f"http://127.0.0.1:{dashboard_port}", env)
+        cluster.wait_for_dashboard(timeout_s=60.0)
+        yield cluster
     finally:
         end_processes(token, temp_dir)
         left = cluster_processes(token, temp_dir)

@@ -149,7 +149,7 @@ def _set(obj: dict, path: str, value: Any) -> dict:
     ("Secret", "strinData", {"k": "v"}, "'strinData' was unexpected"),
 ])
 def test_unknown_fields_and_wrong_types_are_rejected(kind: str, path: str, value: Any, error: str) -> None:
-    (obj,) = [d for d in by_kind(kind) if d["metadata"]["name"] != "zeroray-finetune-hf"][:1]
+    obj = next(d for d in by_kind(kind) if d["metadata"]["name"] != "zeroray-finetune-hf")  # RayJob: train-gpt
     bad = _set(obj, path, value)
     with pytest.raises(jsonschema.ValidationError, match=re.escape(error)):
         validate_manifest(bad)
