@@ -33,6 +33,7 @@ SOURCE = ROOT / "cluster" / "aws-gpu.yaml"
 MARKER = "ZERORAY_DEPLOY_TEST_CLUSTER"
 HEAD_TYPE = "ray.head.default"  # the fake provider's fixed name for the head's type
 MAX_FAKE_WORKERS = 2  # per worker type: enough for the job, few processes on a 2-core machine
+IDLE_TIMEOUT_MINUTES = 0.1  # the YAML's 10 minutes, shortened so the test sees idle nodes given back
 
 
 def _free_port() -> int:
@@ -50,7 +51,7 @@ def _head_env(config: dict) -> dict[str, str]:
 def fake_multinode_config(source: dict, gcs_address: str) -> dict:
     """``source`` with its provider replaced by fake_multinode and each worker type by a 1-CPU fake node.
 
-    Node type names, the head's resources, min_workers and the autoscaling knobs stay the YAML's; what
+    Node type names, the head's resources, min_workers and upscaling_speed stay the YAML's; what
     the fake provider cannot do (SSH, setup commands, docker, file mounts) is emptied, as in Ray's
     own fake multi-node example config.
     """
@@ -69,7 +70,7 @@ def fake_multinode_config(source: dict, gcs_address: str) -> dict:
         "cluster_name": source["cluster_name"],
         "max_workers": sum(t.get("max_workers", 0) for t in types.values()),
         "upscaling_speed": source["upscaling_speed"],
-        "idle_timeout_minutes": source["idle_timeout_minutes"],
+        "idle_timeout_minutes": IDLE_TIMEOUT_MINUTES,
         "provider": {
             "type": "fake_multinode",
             "gcs_address": gcs_address,
@@ -235,3 +236,11 @@ def test_autoscaler_launches_workers_for_a_zeroray_job_and_it_trains(fake_cluste
     assert not left, left
     history = [json.loads(line) for line in (tmp_path / "runs" / "autoscaled" / "metrics.jsonl").read_text().splitlines()]
     assert [h["_global_step"] for h in history if "loss" in h] == [1, 2, 3, 4]
+
+    # The job is done: the autoscaler gives the idle worker nodes back (min_workers is 0).
+    deadline = time.monotonic() + 90.0
+    while [n for n in fake_cluster.nodes() if n.state == "ALIVE" and not n.is_head_node]:
+        assert time.monotonic() < deadline, "idle worker nodes were not terminated"
+        time.sleep(1.0)
+    log = (Path(fake_cluster.temp_dir) / "session_latest" / "logs" / "monitor.log").read_text()
+    assert re.search(r":event_summary:Removing \d+ nodes of type ray\.worker\.gpu(\.spot)? \(idle\)", log), log[-3000:]
