@@ -1,11 +1,13 @@
 """A real autoscaling run: cluster/aws-gpu.yaml adapted to Ray's fake multi-node provider, started with
 ``ray start --head --autoscaling-config`` on this machine. examples/train_gpt.py asks for 2 workers; the
 head has no CPU for them, so the autoscaler must launch worker nodes of the YAML's types, and the job
-trains on them. Nothing of the cluster is left running afterwards.
+trains on them; once it is done, the autoscaler gives the idle nodes back. Nothing of the cluster is
+left running afterwards: no process, no placement group.
 
-The cluster runs in its own temp dir, on free ports, and every process it starts carries a marker in
-its environment: the teardown ends exactly those processes (never ``ray stop``, which would end every
-Ray cluster of the machine), and other Ray users of this machine never see it as "the" local cluster.
+The cluster runs in its own temp dir (so other Ray users of this machine never take it for "the"
+local cluster), on free ports, and its processes are known by a marker in their environment or by
+their files under that temp dir: the teardown ends exactly those (never ``ray stop``, which would end
+every Ray cluster of the machine).
 """
 
 from __future__ import annotations
