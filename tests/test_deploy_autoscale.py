@@ -201,7 +201,11 @@ def fake_cluster(tmp_path: Path) -> Iterator[FakeCluster]:
         "--disable-usage-stats",
     ]
     try:
-        started = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+        for attempt in range(3):  # Ray gives a starting raylet 30 s to register: not enough on a loaded machine
+            started = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+            if started.returncode == 0 or "timed out during startup" not in started.stderr or attempt == 2:
+                break
+            end_processes(token, temp_dir)
         assert started.returncode == 0, f"ray start failed: {started.stdout[-2000:]}{started.stderr[-2000:]}"
         cluster = FakeCluster(token, temp_dir, gcs_address, f"http://127.0.0.1:{dashboard_port}", env)
         cluster.wait_for_dashboard(timeout_s=60.0)
@@ -218,18 +222,23 @@ def test_autoscaler_launches_workers_for_a_zeroray_job_and_it_trains(fake_cluste
                                                                       tmp_path: Path) -> None:
     assert [n.is_head_node for n in fake_cluster.nodes() if n.state == "ALIVE"] == [True]
 
-    env = dict(fake_cluster.env, RAY_ADDRESS=fake_cluster.gcs_address)
-    cmd = [sys.executable, str(ROOT / "examples" / "train_gpt.py"), "--workers", "2", "--steps", "4",
+    # Submitted as docs/deploy.md says: `ray job submit` with this checkout as the working_dir.
+    cmd = [str(Path(sys.executable).parent / "ray"), "job", "submit", "--address", fake_cluster.dashboard_url,
+           "--working-dir", str(ROOT), "--",
+           sys.executable, "examples/train_gpt.py", "--workers", "2", "--steps", "4",
            "--storage-path", str(tmp_path / "runs"), "--name", "autoscaled",
            "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--block", "32"]
-    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "waiting for the autoscaler to add nodes" in done.stderr
-    assert "at step 4" in done.stdout and "2 ranks" in done.stdout
+    done = subprocess.run(cmd, cwd=tmp_path, env=fake_cluster.env, capture_output=True, text=True, timeout=300)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-6000:]
+    assert "waiting for the autoscaler to add nodes" in out
+    assert "at step 4" in out and "2 ranks" in out
     assert (tmp_path / "runs" / "autoscaled" / "checkpoint_4" / "manifest.json").exists()
 
-    workers = [n for n in fake_cluster.nodes() if n.state == "ALIVE" and not n.is_head_node]
-    assert len(workers) >= 2, workers  # launched by the autoscaler: the head holds no CPU for a rank
+    # The ranks ran on nodes the autoscaler launched (the head holds no CPU for a rank); by now they
+    # may be idle and given back already.
+    workers = [n for n in fake_cluster.nodes() if not n.is_head_node]
+    assert len(workers) >= 2, workers
     log = (Path(fake_cluster.temp_dir) / "session_latest" / "logs" / "monitor.log").read_text()
     added = re.findall(r":event_summary:Adding (\d+) node\(s\) of type (\S+)\.", log)
     assert sum(int(n) for n, _ in added) >= 2, log[-3000:]
