@@ -24,6 +24,7 @@ def ray_cluster() -> Iterator[dict[str, str]]:
         [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p] + [str(REPO_ROOT)]
     )
     ray.init(
+        address="local",  # a new cluster even when a `ray start` one runs on this machine (ray.init would join it)
         num_cpus=4,
         include_dashboard=True,
         configure_logging=False,

@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from zeroray.checkpoint.manifest import MANIFEST
 from zeroray.checkpoint.safetensors_file import (
@@ -148,10 +147,7 @@ def _agree(
     except Exception as e:  # every rank must reach the agreement below, or the others hang
         error = e
     mine = (None if error is None else f"{type(error).__name__}: {error}", reader.bytes_read if reader else 0)
-    everyone = [mine]
-    if engine.process_group is not None and engine.world_size > 1:
-        everyone = [None] * engine.world_size
-        dist.all_gather_object(everyone, mine, group=engine.process_group)
+    everyone = engine.comm.all_gather_object(mine)
     if error is not None:
         raise error
     failed = [f"rank {r}: {msg}" for r, (msg, _) in enumerate(everyone) if msg]

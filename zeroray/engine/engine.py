@@ -8,7 +8,9 @@ A training step reads like plain PyTorch::
     engine.step()           # optimizer on this rank's shard at accumulation boundaries
 
 Set-up, in order: validate everything (no communication yet), lay parameters out in flat groups,
-start all ranks from rank 0's weights, rebuild the optimizer over the shards, install hooks.
+start all ranks from rank 0's weights, rebuild the optimizer over the shards, install hooks. A model
+built on the meta device is initialized instead, the same on every rank, with no broadcast
+(:mod:`zeroray.engine.materialize`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from zeroray.engine.comm import Comm, InFlight
 from zeroray.engine.flat_group import FlatGroup
 from zeroray.engine.layout import TensorSlot
 from zeroray.engine.loss_scaler import LossScaler
+from zeroray.engine.materialize import InitFn, MetaInit, compute_device, meta_tensor_ids
 from zeroray.engine.param_guard import ParamGuard
 from zeroray.engine.reducer import GradReducer
 from zeroray.engine.schedule import UnitScheduler
@@ -74,10 +77,15 @@ class ZeroEngine:
         config: ConfigArg = None,
         process_group: dist.ProcessGroup | None = None,
         lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+        *,
+        init_fn: InitFn | None = None,
+        device: str | torch.device | None = None,
     ):
         # ---- validation: everything that can be wrong fails here, before any communication
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if init_fn is not None and not callable(init_fn):
+            raise TypeError(f"init_fn must be a callable module -> None, got {type(init_fn).__name__}")
         config = load_config(config, model=model, optimizer=optimizer)
         if process_group is None and dist.is_available() and dist.is_initialized():
             process_group = dist.group.WORLD
@@ -91,10 +99,14 @@ class ZeroEngine:
                 f"this {type(model).__name__} (or a module in it) is already held by a ZeroEngine; call "
                 "engine.close() first (at stage 3 that also puts the full weights back into the parameters)"
             )
-        devices = {p.device for p in params}
-        if len(devices) != 1 or next(iter(devices)).type == "meta":
-            raise ValueError(f"all model parameters must be on one real device, found {sorted(map(str, devices))}")
-        self.device = next(iter(devices))
+        self.device = compute_device(model, device, process_group)
+        meta = meta_tensor_ids(model)
+        meta_init = MetaInit(model, init_fn) if meta else None
+        if not meta and init_fn is not None:
+            raise ValueError(
+                "init_fn was given but no parameter or buffer of the model is on the meta device; build the "
+                "model under `with torch.device('meta'):` or leave init_fn out"
+            )
         template = template_optimizer(model, optimizer, config)
         group_of = param_group_index(model, template)
         if lr_scheduler is not None and not callable(lr_scheduler):
@@ -118,7 +130,9 @@ class ZeroEngine:
         self.last_grad_norm: float | None = None
         self.loss_scaler = LossScaler(config)
 
-        # ---- layout
+        # ---- layout (stages 0-2: a meta model is first materialized whole, the same on every rank)
+        if meta_init is not None and not sharding.shards_params:
+            meta_init.run(self.device, sink=lambda t: True)
         if sharding.shards_params:
             self.units = unit_plan.find_units(model, config.units)
             plans = unit_plan.plan_units(model, self.units, group_of)
@@ -127,6 +141,7 @@ class ZeroEngine:
             plans = unit_plan.plan_buckets(model, group_of, config.comm.reduce_bucket_size)
         self.groups: list[FlatGroup] = []
         unit_groups: dict[int | None, list[FlatGroup]] = {}
+        pending: list[FlatGroup] = []  # stage 3: groups with meta parameters, installed once initialized
         for plan in plans:
             floating = plan.params[0][1].is_floating_point()
             dtype = self.compute_dtype if floating else plan.params[0][1].dtype
@@ -139,16 +154,34 @@ class ZeroEngine:
                 reduce_dtype=self.reduce_dtype if floating else dtype,
                 trainable=plan.param_group is not None,
                 param_group=plan.param_group,
+                device=self.device,
             )
-            g.sync_from_rank0()
-            g.install(master_dtype=self.master_dtype if floating else dtype)
+            if g.has_meta:
+                pending.append(g)
+            else:
+                self._start(g, meta)
             self.groups.append(g)
             unit_groups.setdefault(plan.unit, []).append(g)
+        if meta_init is not None and sharding.shards_params:
+            # One module at a time, straight into the shards; buffers are kept whole.
+            owner = {id(p): g for g in pending for p in g.params}
+
+            def sink(t: torch.Tensor) -> bool:
+                g = owner.get(id(t))
+                if g is None:
+                    return True
+                g.write(t)
+                return False
+
+            meta_init.run(self.device, sink)
+            for g in pending:
+                self._start(g, meta)
         with torch.no_grad():
             for b in model.buffers():
                 if b.is_floating_point():
                     b.data = b.data.to(self.compute_dtype)
-                self.comm.broadcast(b, src=0)
+                if id(b) not in meta:  # a meta-built buffer is the same on every rank already
+                    self.comm.broadcast(b, src=0)
 
         # ---- optimizer over the shards
         self.optimizer, self._owner = shard_optimizer(template, self.groups)
@@ -179,9 +212,18 @@ class ZeroEngine:
             max_inflight=config.comm.reduce_bucket_size,
             units=units,
         )
+        self._setup_comm = self.comm.report()
         self.comm.reset()  # the report counts training traffic, not set-up
         for m in model.modules():
             _HELD[m] = self
+
+    def _start(self, g: FlatGroup, meta: set[int]) -> None:
+        """Collective: a group's values agree across ranks (rank 0's, unless every parameter in it
+        was meta-built: those are the same everywhere), then it installs its shards and buffers."""
+        if any(id(p) not in meta for p in g.params):
+            g.sync_from_rank0()
+        floating = g.compute_dtype.is_floating_point
+        g.install(master_dtype=self.master_dtype if floating else g.compute_dtype)
 
     # ------------------------------------------------------------------ training
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -413,6 +455,11 @@ class ZeroEngine:
         """Cumulative bytes per collective kind since set-up or the last reset."""
         return self.comm.report()
 
+    def setup_comm_report(self) -> dict[str, int]:
+        """Bytes per collective kind that set-up moved (rank 0's weights and buffers broadcast to
+        all; nothing for a meta-built model): :meth:`comm_report` starts counting after set-up."""
+        return dict(self._setup_comm)
+
     def reset_comm_report(self) -> None:
         self.comm.reset()
 
@@ -472,6 +519,9 @@ def initialize(
     config: ConfigArg = None,
     process_group: dist.ProcessGroup | None = None,
     lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+    *,
+    init_fn: InitFn | None = None,
+    device: str | torch.device | None = None,
 ) -> ZeroEngine:
     """Wrap ``model`` and ``optimizer`` in a ZeRO engine on ``process_group`` (default: WORLD).
 
@@ -479,5 +529,13 @@ def initialize(
     callable ``params -> Optimizer``, or None when ``config`` names one. ``config``: a ZeroConfig,
     a DeepSpeed-style dict, or a path to a DeepSpeed JSON file. ``lr_scheduler``: a callable
     ``optimizer -> scheduler`` (the optimizer it gets is the sharded one), stepped at boundaries.
+
+    ``model`` may be built wholly or partly under ``with torch.device("meta"):``. Its meta
+    parameters and buffers are then initialized on every rank alike, module by module in
+    ``model.modules()`` order, by ``init_fn(module)`` or else each module's ``reset_parameters()``
+    (seed every rank the same first); at stage 3 straight into this rank's shards, one module's
+    tensors at a time. No weight is broadcast for them. The engine computes on the device of the
+    model's real parameters; for a wholly meta model on ``device``, by default the current CUDA
+    device when CUDA is available and the process group is NCCL (or absent), else the CPU.
     """
-    return ZeroEngine(model, optimizer, config, process_group, lr_scheduler)
+    return ZeroEngine(model, optimizer, config, process_group, lr_scheduler, init_fn=init_fn, device=device)

@@ -15,6 +15,12 @@ config's :class:`~zeroray.config.Sharding` flags:
   that the optimizer updates; the optimizer's states are shaped like it.
 
 Which slice a rank owns comes from :mod:`zeroray.engine.layout`.
+
+A group whose parameters are all on the meta device with ``shards_params`` never allocates
+``full`` at set-up: it starts from a zero shard, :meth:`write` copies this rank's slice of each
+parameter into it as :mod:`zeroray.engine.materialize` initializes them, and ``full`` gets storage
+at the first gather. Any other group with meta parameters (partly real) starts from a ``full``
+holding its real parameters, and :meth:`write` fills in the rest.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ class FlatGroup:
         reduce_dtype: torch.dtype,
         trainable: bool,
         param_group: int | None,
+        device: torch.device,
     ):
         self.name = name
         self.comm = comm
@@ -68,17 +75,30 @@ class FlatGroup:
         self.padded = layout.padded_numel(self.numel, self.shard_world)
         self.lo, self.hi = layout.shard_range(self.numel, self.shard_world, self.shard_rank)
         self.shard_numel = self.hi - self.lo
-        device = self.params[0].device
         self.device = device
         self.compute_dtype = compute_dtype
         self.reduce_dtype = reduce_dtype
+        self._slot_of = {id(p): slot for slot, p in zip(self.slots, self.params)}
+        self.has_meta = any(p.is_meta for p in self.params)
+        self.has_real = not all(p.is_meta for p in self.params)
 
-        full = torch.zeros(self.padded, dtype=compute_dtype, device=device)
-        with torch.no_grad():
-            for slot, p in zip(self.slots, self.params):
-                full[slot.offset : slot.end].copy_(p.detach().reshape(-1))
-        self.full = full
-        self.state = ParamState.GATHERED
+        # Built sharded: all-meta parameters that will be sharded need no full buffer at set-up.
+        self._built_sharded = not self.has_real and sharding.shards_params
+        if self._built_sharded:
+            # A tensor of this shape cannot be made over less storage: allocate (untouched) and
+            # free at once, as FSDP2 does; the storage comes back at the first gather.
+            self.full = torch.empty(self.padded, dtype=compute_dtype, device=device)
+            self.full.untyped_storage().resize_(0)
+            self.shard = torch.zeros(self.shard_numel, dtype=compute_dtype, device=device)
+            self.state = ParamState.FREED
+        else:
+            full = torch.zeros(self.padded, dtype=compute_dtype, device=device)
+            with torch.no_grad():
+                for slot, p in zip(self.slots, self.params):
+                    if not p.is_meta:
+                        full[slot.offset : slot.end].copy_(p.detach().reshape(-1))
+            self.full = full
+            self.state = ParamState.GATHERED
         self._gather: Handle | None = None
         # One element every freed parameter of this group points at (see _free_storage).
         self._placeholder = torch.empty(1, dtype=compute_dtype, device=device)
@@ -88,13 +108,27 @@ class FlatGroup:
         """All ranks start from rank 0's values, as DDP does at construction."""
         self.comm.broadcast(self.full, src=0)
 
+    def write(self, param: nn.Parameter) -> None:
+        """Take the (materialized, initialized) value of ``param``, a parameter of this group that was
+        on meta: into ``full``, or when built sharded only the part that falls in this rank's shard."""
+        slot = self._slot_of[id(param)]
+        flat = param.detach().reshape(-1)
+        with torch.no_grad():
+            if not self._built_sharded:
+                self.full[slot.offset : slot.end].copy_(flat)
+                return
+            lo, hi = max(slot.offset, self.lo), min(slot.end, self.hi)
+            if lo < hi:
+                self.shard[lo - self.lo : hi - self.lo].copy_(flat[lo - slot.offset : hi - slot.offset])
+
     def install(self, master_dtype: torch.dtype) -> None:
         """Point the parameters at ``full``, cut this rank's shard, make master and grad buffers."""
-        self._point_params_at_full()
-        if self.sharding.shards_params:
-            self.shard = self.full[self.lo : self.hi].clone()
-        else:
-            self.shard = self.full[self.lo : self.hi]
+        if not self._built_sharded:  # else the shard is already filled and full has no storage
+            self._point_params_at_full()
+            if self.sharding.shards_params:
+                self.shard = self.full[self.lo : self.hi].clone()
+            else:
+                self.shard = self.full[self.lo : self.hi]
         self.grads: GradBuffer | None = None  # the persistent full gradient buffer (unsharded grads)
         if not self.trainable:
             self.master = None

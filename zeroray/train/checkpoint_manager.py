@@ -41,11 +41,12 @@ def latest_checkpoint(run_url: str, storage_options: dict[str, Any] | None = Non
     return Checkpoint(info.url, info.step) if info is not None else None
 
 
-def resume(session: Session) -> None:
-    """Collective, in ``zt.prepare``: load the newest committed checkpoint into the session's engine.
+def resume(session: Session) -> bool:
+    """Collective, in ``zt.prepare``: load the newest committed checkpoint into the session's engine;
+    False when the run has none (it starts fresh).
 
     Rank 0 picks it and tells the others (on the report group), so every rank loads the same one even
-    if storage changes in between. A run without one starts fresh.
+    if storage changes in between.
     """
     run_url, options = session.context.trial_dir, session.storage_options
     newest = zc.latest_committed(run_url, options) if session.context.get_world_rank() == 0 else None
@@ -53,6 +54,7 @@ def resume(session: Session) -> None:
     if url is not None:
         wait(session)  # an async save of an earlier engine of this loop must not race the read
         zc.load(session.engine, url, storage_options=options)
+    return url is not None
 
 
 def require_engine(session: Session) -> None:

@@ -3,6 +3,7 @@ resume it from the run's newest committed checkpoint, so ``engine.global_step`` 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -11,11 +12,17 @@ import torch
 from zeroray.train import checkpoint_manager
 from zeroray.train.context import get_session
 
+logger = logging.getLogger(__name__)
+
 
 def prepare(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | Callable[..., Any] | None = None,
     lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+    *,
+    init_fn: Callable[[torch.nn.Module], None] | None = None,
+    pretrained: str | None = None,
+    pretrained_key_map: Any = None,
 ) -> Any:
     """Move ``model`` to this rank's device and return ``zeroray.initialize(model, optimizer, config)``.
 
@@ -23,10 +30,21 @@ def prepare(
     The optimizer may be built before this call: moving a module keeps its Parameter objects.
     ``lr_scheduler`` (``optimizer -> scheduler``) is passed to the engine, which steps it.
 
+    A model built (wholly or partly) under ``with torch.device("meta"):`` is not moved: its real
+    tensors go to this rank's device and the engine initializes the meta ones there, by
+    ``init_fn(module)`` or each module's ``reset_parameters()`` (see ``zeroray.initialize``); an
+    optimizer built over the meta parameters is fine.
+
     Collective: when the run (``<storage_path>/<name>``) has a committed checkpoint — after a restart,
     or in a new ``fit()`` with the same name — every rank loads the newest one, whatever world size and
     stage saved it: weights, optimizer and scheduler state, step counters. Loop from
     ``engine.global_step`` on; use a new ``RunConfig.name`` to start from scratch.
+
+    ``pretrained``: a Hugging Face safetensors directory (any fsspec URL; ``RunConfig.storage_options``
+    are used) loaded into the shards by ``zeroray.load_pretrained`` (strict, ``pretrained_key_map`` as
+    its ``key_map``) when the run has no checkpoint yet; on a resume the run's own checkpoint wins.
+    Build the model on the meta device with an ``init_fn`` that sets what the file lacks (e.g. HF's
+    ``model._init_weights`` for the rotary ``inv_freq`` buffers).
     """
     session = get_session("prepare()")
     if session.engine is not None:
@@ -35,11 +53,35 @@ def prepare(
         raise TypeError(f"zt.prepare expects a torch.nn.Module, got {type(model).__name__}")
     from zeroray.engine import initialize
 
-    model.to(session.context.device)
+    device = session.context.device
+    tensors = [*model.parameters(), *model.buffers()]
+    if any(t.is_meta for t in tensors):
+        # Module.to() cannot copy out of meta; move only the real tensors (keeping their objects).
+        with torch.no_grad():
+            for t in tensors:
+                if not t.is_meta:
+                    t.data = t.data.to(device)
+    else:
+        model.to(device)
     engine = initialize(
-        model, optimizer=optimizer, config=session.zero_config, process_group=None, lr_scheduler=lr_scheduler
+        model,
+        optimizer=optimizer,
+        config=session.zero_config,
+        process_group=None,
+        lr_scheduler=lr_scheduler,
+        init_fn=init_fn,
+        device=device,
     )
     session.engine = engine
-    checkpoint_manager.resume(session)
+    if not checkpoint_manager.resume(session) and pretrained is not None:
+        from zeroray.pretrained import load_pretrained
+
+        report = load_pretrained(engine, pretrained, key_map=pretrained_key_map, storage_options=session.storage_options)
+        if session.context.get_world_rank() == 0:
+            logger.info(
+                "zeroray: loaded pretrained weights from %s: %d tensors in %.2f s; the ranks read %.1f MB of the "
+                "checkpoint's %.1f MB (this rank %.1f MB)", pretrained, len(report.loaded), report.seconds,
+                report.total_bytes_read / 1e6, report.checkpoint_bytes / 1e6, report.bytes_read / 1e6,
+            )
     session.last_global_step = engine.global_step
     return engine

@@ -7,6 +7,7 @@ the loop itself.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import traceback
@@ -25,6 +26,17 @@ def actor_name(run: str, rank: int) -> str:
     return f"zeroray:{run}:rank-{rank}"
 
 
+def _log_info_to_stderr() -> None:
+    """zeroray's INFO lines in this rank (e.g. what a pretrained load read) go to stderr, which Ray
+    forwards to the driver's console, prefixed with the actor's name."""
+    log = logging.getLogger("zeroray")
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+
+
 class RankActor:
     """One rank. Wrapped with ``ray.remote`` by the worker group (kept a plain class for readability)."""
 
@@ -34,6 +46,7 @@ class RankActor:
         self.thread: threading.Thread | None = None
         self.failure: WorkerFailure | None = None
         self.done = False
+        _log_info_to_stderr()
 
     def __repr__(self) -> str:  # Ray prefixes the actor's log lines with this
         return actor_name(self.run, self.info.world_rank)
