@@ -187,6 +187,14 @@ def test_entrypoints_run_examples_with_flags_they_take() -> None:
         assert used <= flags, (script.name, used - flags)
 
 
+def test_runtime_env_pip_packages_are_the_tested_versions() -> None:
+    pins = dict(line.split("==") for line in (ROOT / "constraints.txt").read_text().splitlines() if "==" in line)
+    for job in by_kind("RayJob"):
+        for req in (yaml.safe_load(job["spec"].get("runtimeEnvYAML", "")) or {}).get("pip", []):
+            name, version = req.split("==")
+            assert pins[name] == version, (job["metadata"]["name"], req)
+
+
 def test_storage_credentials_come_from_the_secret() -> None:
     secrets = {s["metadata"]["name"] for s in by_kind("Secret")}
     (cluster,) = by_kind("RayCluster")
