@@ -117,7 +117,6 @@ def rank_main(rank: int, world: int, port: int, phase: str, args: argparse.Names
             result.update(load_start=t0, load_end=time.perf_counter(), bytes_read=report.bytes_read,
                           total_bytes_read=report.total_bytes_read, checkpoint_bytes=report.checkpoint_bytes,
                           peak_rss=peak_rss())
-        engine.close()
         with open(os.path.join(out, f"{phase}-{rank}.json"), "w") as f:
             json.dump(result, f)
     finally:
@@ -125,6 +124,7 @@ def rank_main(rank: int, world: int, port: int, phase: str, args: argparse.Names
 
 
 def run_phase(phase: str, args: argparse.Namespace, tmp: str, world: int) -> list[dict[str, Any]]:
+    print(f"{time.strftime('%H:%M:%S')} {phase}, world {world}", flush=True)
     mp.spawn(rank_main, args=(world, free_port(), phase, args, tmp), nprocs=world, join=True)
     return [json.loads(Path(tmp, f"{phase}-{r}.json").read_text()) for r in range(world)]
 
