@@ -49,7 +49,7 @@ def test_failure_and_checkpoint_configs():
     with pytest.raises(ValueError, match="async_save"):
         CheckpointConfig(async_save="yes")
     assert CheckpointConfig(num_to_keep=2, async_save=True).num_to_keep == 2
-    assert FailureConfig().collective_timeout_s == 300.0  # minutes, not torch's 30
+    assert FailureConfig().collective_timeout_s == 60.0  # about a minute, not torch's 30 minutes
     for bad in (0, -1.0, "60", True):
         with pytest.raises(ValueError, match="collective_timeout_s"):
             FailureConfig(collective_timeout_s=bad)
