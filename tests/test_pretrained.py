@@ -5,6 +5,9 @@ weight changes, on every rank."""
 from __future__ import annotations
 
 import json
+import mmap
+import os
+import random
 import shutil
 import struct
 from collections.abc import Callable
@@ -29,7 +32,15 @@ from tests.pretrained_helpers import (
     zgpt,
 )
 from zeroray import PretrainedError
-from zeroray.checkpoint.safetensors_file import RangeReader, merge, read_header
+from zeroray.checkpoint.safetensors_file import (
+    _ALIGN,
+    MAX_RUN,
+    RangeReader,
+    _open_direct,
+    _read_direct,
+    merge,
+    read_header,
+)
 
 ON_S3 = ("llama_bf16", "gpt2")
 
@@ -243,3 +254,30 @@ def test_bf16_engine_and_tied_names(sources: dict[str, dict[str, Any]], tmp_path
         for name, p in engine.named_parameters():
             assert p.dtype == torch.bfloat16 and torch.equal(p, want[name].to(torch.bfloat16)), name
     engine.close()
+
+
+def test_direct_reads_of_unaligned_ranges_into_split_buffers(tmp_path: Path) -> None:
+    # O_DIRECT reads whole aligned blocks into a bounce buffer; every byte must land where it belongs.
+    path = tmp_path / "data.bin"
+    data = torch.randint(0, 256, (3 * MAX_RUN + 12345,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    path.write_bytes(data.numpy().tobytes())
+    raw = path.read_bytes()
+    bounce = mmap.mmap(-1, MAX_RUN + 2 * _ALIGN)
+    gen = random.Random(0)
+    for _ in range(100):
+        start = gen.randrange(len(raw) - 1)
+        total = gen.randrange(min(MAX_RUN, len(raw) - start) + 1)
+        cuts = sorted(gen.randrange(total + 1) for _ in range(gen.randrange(5)))
+        buffers = [memoryview(bytearray(b - a)) for a, b in zip([0, *cuts], [*cuts, total])]
+        fd = _open_direct(str(path))
+        assert fd is not None, "this filesystem refuses O_DIRECT: the test needs one that takes it"
+        try:
+            assert _read_direct(fd, bounce, start, buffers) == total
+        finally:
+            os.close(fd)
+        assert b"".join(bytes(b) for b in buffers) == raw[start : start + total]
+    fd = _open_direct(str(path))
+    try:  # past the end of the file: the bytes that are there
+        assert _read_direct(fd, bounce, len(raw) - 40, [memoryview(bytearray(100))]) == 40
+    finally:
+        os.close(fd)
