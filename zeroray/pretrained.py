@@ -107,7 +107,7 @@ def load_pretrained(
         reader = RangeReader(fs)
         return reader, _plan(engine, states, reader, source, root, strict, key_map)
 
-    (reader, plan), _ = _agree(engine, headers, "reading the headers of")
+    (reader, plan), _ = _agree(engine, headers, "reading the headers of", "no weights changed")
     tensors, buffers = {}, {}
     urls = {f.path: f.url for f in plan.files}
 
@@ -121,7 +121,7 @@ def load_pretrained(
             buffers[name] = dest.view(info.shape)
         reader.fill(merge(pieces), urls)
 
-    _, total = _agree(engine, read, "reading", reader)
+    _, total = _agree(engine, read, "reading", "shards on the CPU may be partly loaded", reader)
     with torch.no_grad():
         named = dict(engine.module.named_buffers())
         for name, value in buffers.items():
@@ -135,10 +135,10 @@ def load_pretrained(
 
 
 def _agree(
-    engine: ZeroEngine, fn: Callable[[], Any], what: str, reader: RangeReader | None = None
+    engine: ZeroEngine, fn: Callable[[], Any], what: str, changed: str, reader: RangeReader | None = None
 ) -> tuple[Any, int]:
     """Collective: run ``fn`` on every rank; if it raised anywhere, raise on every rank (this rank's
-    own error as it is, else the failing ranks' messages). Returns what ``fn`` returned and the
+    own error as it is, else the failing ranks' messages, saying ``changed``). Returns what ``fn`` returned and the
     bytes ``reader`` has read on all ranks together."""
     error: BaseException | None = None
     result = None
@@ -152,7 +152,6 @@ def _agree(
         raise error
     failed = [f"rank {r}: {msg}" for r, (msg, _) in enumerate(everyone) if msg]
     if failed:
-        changed = "no weights changed" if what != "reading" else "shards on the CPU may be partly loaded"
         raise PretrainedError(f"{what} the pretrained weights failed on another rank ({changed}): " + "; ".join(failed))
     return result, sum(n for _, n in everyone)
 

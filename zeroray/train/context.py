@@ -75,7 +75,7 @@ class Session:
     context: TrainContext
     spec: RunSpec
     dataset_shards: dict[str, Any]
-    report_group: Any  # a gloo process group for the report barrier (None when world_size == 1)
+    report_comm: Any  # zeroray.engine.Comm over the gloo side group: report barriers, resume choice
     report_callbacks: list[Any] = field(default_factory=list)
     reports: queue.Queue = field(default_factory=queue.Queue)
     engine: Any = None
@@ -84,12 +84,6 @@ class Session:
     last_report_time: float | None = None
     last_global_step: int = 0
     checkpoint_saver: Any = None  # the rank's zeroray.checkpoint.AsyncSaver, from its first async save
-    report_comm: Any = field(init=False)  # zeroray.engine.Comm over report_group: the object exchanges
-
-    def __post_init__(self) -> None:
-        from zeroray.engine import Comm
-
-        self.report_comm = Comm(self.report_group)
 
     @property
     def zero_config(self) -> Any:

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from zeroray.engine import Comm
 from zeroray.train import checkpoint_manager, rendezvous
 from zeroray.train.context import RankInfo, Session, TrainContext, set_session
 from zeroray.train.errors import WorkerFailure, is_collective_error, is_collective_timeout
@@ -79,7 +80,7 @@ class RankActor:
         except Exception:  # no metrics agent (e.g. a minimal cluster): training does not depend on it
             pass
         ctx = TrainContext(self.info, spec.name, spec.storage_path, device, spec.run_url)
-        self.session = Session(ctx, spec, dataset_shards, report_group, report_callbacks=callbacks)
+        self.session = Session(ctx, spec, dataset_shards, Comm(report_group), report_callbacks=callbacks)
         set_session(self.session)
 
     # ------------------------------------------------------------------ the loop
