@@ -127,7 +127,7 @@ class ZeroEngine:
         self.micro_step = 0
         self.skipped_steps = 0
         self._backward_since_step = False  # step() without a backward is a no-op, as torch's is
-        self.last_grad_norm: float | None = None
+        self._grad_norm: torch.Tensor | None = None  # read lazily: a float here would sync every step
         self.loss_scaler = LossScaler(config)
 
         # ---- layout (stages 0-2: a meta model is first materialized whole, the same on every rank)
@@ -291,8 +291,10 @@ class ZeroEngine:
                 t.mul_(inv)
         overflow = False
         if self.config.precision.loss_scaling:
-            local = any(not torch.isfinite(t).all() for t in grads.values())
-            overflow = self.comm.any_true(local, self.device)
+            # One flag over every group: the skip decision is the step's only host sync.
+            flags = [(~torch.isfinite(t)).any() for t in grads.values()]
+            local = torch.stack(flags).any() if flags else torch.zeros((), dtype=torch.bool, device=self.device)
+            overflow = self.comm.any_true(local)
             self.loss_scaler.update(overflow)
         if overflow:
             self.skipped_steps += 1
@@ -309,11 +311,16 @@ class ZeroEngine:
             g.zero_grad()
         self.global_step += 1
 
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The global gradient norm before clipping at the last step (None without clipping)."""
+        return None if self._grad_norm is None else float(self._grad_norm)
+
     def _clip(self, grads: dict[FlatGroup, torch.Tensor]) -> None:
         """Clip by the global norm over every rank's shard (one scalar all-reduce)."""
         clip = self.config.gradient_clipping
         if clip <= 0:
-            self.last_grad_norm = None
+            self._grad_norm = None
             return
         sq = torch.zeros(1, dtype=torch.float32, device=self.device)
         for t in grads.values():
@@ -321,7 +328,7 @@ class ZeroEngine:
         if self.sharding.shards_optimizer:  # each rank holds a shard of the gradients
             self.comm.sum_scalar(sq)
         norm = sq.sqrt()
-        self.last_grad_norm = float(norm)
+        self._grad_norm = norm
         coef = torch.clamp(clip / (norm + 1e-6), max=1.0)
         for t in grads.values():
             t.mul_(coef)
