@@ -223,3 +223,10 @@ def test_controller_gauges_count_attempts_failures_and_resizes(ray_cluster) -> N
     finally:
         cb.after_state_change(previous, S.Finished())  # stops the refresh thread
     assert cb.gauges._thread is None
+
+
+def test_the_docs_describe_every_metric_and_panel() -> None:
+    doc = (ROOT / "docs" / "monitoring.md").read_text()
+    assert [m.prometheus for m in M.ALL if f"`{m.prometheus}`" not in doc] == []
+    titles = [p.title for row in dashboard.ROWS for p in row.panels]
+    assert [t for t in titles if f"| {t} |" not in doc] == []

@@ -30,7 +30,15 @@ RANK_METRICS = (
     M.STEP, M.REPORTS, M.LOSS, M.LEARNING_RATE, M.GRAD_NORM, M.LOSS_SCALE, M.SKIPPED_STEPS, M.STEP_TIME,
     M.PHASE_TIME, M.SAMPLES_PER_SECOND, M.TOKENS_PER_SECOND, M.MFU, M.MEMORY, M.COMM_BYTES, M.COMM_BANDWIDTH,
     M.CHECKPOINT_SAVE_SECONDS, M.CHECKPOINT_STALL_SECONDS, M.CHECKPOINT_BYTES, M.CHECKPOINT_SAVES,
+    M.OFFLOAD_BYTES, M.OFFLOAD_BANDWIDTH,
 )
+
+
+def _rate(total: int, before: int | None, interval: float | None) -> float | None:
+    """Bytes per second between two cumulative counts (None at the first or after a reset)."""
+    if not interval or before is None or total < before:
+        return None
+    return (total - before) / interval
 
 
 class _Interval:
@@ -39,6 +47,7 @@ class _Interval:
     def __init__(self) -> None:
         self.time: float | None = None
         self.comm: dict[str, int] = {}
+        self.offload: dict[str, int] = {}
         self.tokens: float | None = None
 
 
@@ -113,10 +122,14 @@ class RankMetrics(ReportCallback):
             self._set(M.MEMORY, nbytes, category=category)
         for kind, nbytes in stats.comm_bytes.items():
             self._set(M.COMM_BYTES, nbytes, kind=kind)
-            before = self._last.comm.get(kind)
-            if interval and before is not None and nbytes >= before:
-                self._set(M.COMM_BANDWIDTH, (nbytes - before) / interval, kind=kind)
+            self._set(M.COMM_BANDWIDTH, _rate(nbytes, self._last.comm.get(kind), interval), kind=kind)
         self._last.comm = dict(stats.comm_bytes)
+        for key, nbytes in stats.offload_bytes.items():
+            tier, _, direction = key.partition(":")
+            self._set(M.OFFLOAD_BYTES, nbytes, tier=tier, direction=direction)
+            self._set(M.OFFLOAD_BANDWIDTH, _rate(nbytes, self._last.offload.get(key), interval),
+                      tier=tier, direction=direction)
+        self._last.offload = dict(stats.offload_bytes)
 
         if stats.checkpoint_s is not None:
             self._saves += 1

@@ -58,11 +58,15 @@ def _rank_stats(session: Session) -> RankStats:
     memory: dict[str, int] = {}
     phases: dict[str, float] = {}
     comm: dict[str, int] = {}
+    offload: dict[str, int] = {}
     if engine is not None:
         memory = {str(k): int(v) for k, v in engine.memory_report().items() if isinstance(v, numbers.Number)}
         times = engine.phase_report()
         phases = times.as_dict() if times.steps else {}
         comm = {str(k): int(v) for k, v in engine.comm_report().items()}
+        offload_report = getattr(engine, "offload_report", None)  # engines that offload (cpu, nvme) have it
+        if offload_report is not None:
+            offload = {str(k): int(v) for k, v in offload_report().items()}
     device = session.context.device
     if device.type == "cuda":
         memory["cuda_allocated"] = int(torch.cuda.memory_allocated(device))
@@ -76,6 +80,7 @@ def _rank_stats(session: Session) -> RankStats:
         memory=memory,
         phases=phases,
         comm_bytes=comm,
+        offload_bytes=offload,
     )
 
 
