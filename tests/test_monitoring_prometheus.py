@@ -30,6 +30,7 @@ from zeroray.monitoring import dashboard
 from zeroray.monitoring import metrics as M
 
 RUN = "prom-run"
+DASHBOARDS = Path(__file__).resolve().parent.parent / "dashboards"
 DEADLINE_S = 60.0
 
 
@@ -154,6 +155,23 @@ def prometheus(ray_cluster, tmp_path):
         prom.close()
 
 
+def _values(prom: Prometheus, expr: str, label: str) -> dict[str, float]:
+    """{value of ``label``: sample value} of an instant query."""
+    return {s["metric"].get(label, ""): float(s["value"][1]) for s in prom.query(expr)}
+
+
+def _wait_values(prom: Prometheus, expr: str, label: str, want: dict[str, float], exact: bool = False) -> None:
+    """Poll until the query's values by ``label`` include ``want`` (or equal it, ``exact``)."""
+    got: dict[str, float] = {}
+
+    def matches() -> bool:
+        got.clear()
+        got.update(_values(prom, expr, label))
+        return got == want if exact else {k: got.get(k) for k in want} == want
+
+    wait_for(matches, lambda: f"{expr} by {label} to be {want}; it is {got}")
+
+
 def _expr_for(expr: str) -> str:
     """A dashboard query as Prometheus takes it: ``$run`` is this run; Grafana's ``label_values(m, l)``
     (a variable's query) asks which values of ``l`` series of ``m`` have."""
@@ -182,7 +200,9 @@ def test_prometheus_scrapes_every_dashboard_query(prometheus, ray_cluster, tmp_p
     fit = threading.Thread(target=lambda: result.update(r=trainer.fit()), daemon=True)
     fit.start()
     try:
-        exprs = [e for e in dashboard.expressions(dashboard.dashboard()) if not _known_empty(e)]
+        exprs = [e for path in sorted(DASHBOARDS.glob("*.json"))
+                 for e in dashboard.expressions(json.loads(path.read_text())) if not _known_empty(e)]
+        assert len(exprs) >= 12
         # The checkpoint at step 2 and the rates need a few reports; wait until every panel has data.
         empty: list[str] = []
 
@@ -192,32 +212,31 @@ def test_prometheus_scrapes_every_dashboard_query(prometheus, ray_cluster, tmp_p
 
         wait_for(all_have_data, lambda: f"every dashboard query to return data; still empty: {empty}")
 
-        # Tags on every rank series: run, rank, node, stage.
-        series = prometheus.query(f'{M.STEP.prometheus}{{run="{RUN}"}}')
-        assert sorted(s["metric"]["rank"] for s in series) == ["0", "1"]
-        assert all(s["metric"]["stage"] == "3" and s["metric"]["node"] for s in series)
-        assert float(prometheus.query(f'{M.WORLD_SIZE.prometheus}{{run="{RUN}"}}')[0]["value"][1]) == 2
-        running = prometheus.query(f'{M.CONTROLLER_STATE.prometheus}{{run="{RUN}", state="RUNNING"}}')
-        assert float(running[0]["value"][1]) == 1
+        # Tags on every rank series: run, rank, node, stage (polled: a loaded machine may delay a refresh).
+        def tagged() -> bool:
+            series = prometheus.query(f'{M.STEP.prometheus}{{run="{RUN}"}}')
+            return (sorted(s["metric"]["rank"] for s in series) == ["0", "1"]
+                    and all(s["metric"]["stage"] == "3" and s["metric"]["node"] for s in series))
+
+        wait_for(tagged, "both ranks' series tagged with run, rank, node and stage")
+        wait_for(lambda: _values(prometheus, f'{M.WORLD_SIZE.prometheus}{{run="{RUN}"}}', "run") == {RUN: 2.0},
+                 "world size 2")
+        wait_for(lambda: _values(prometheus, f'{M.CONTROLLER_STATE.prometheus}{{run="{RUN}"}} == 1', "state")
+                 == {"RUNNING": 1.0}, "the RUNNING state")
 
         (out / "stop").write_text("")
         finals = wait_for(lambda: [json.loads(p.read_text()) for p in sorted(out.glob("final-*.json"))]
                           if len(list(out.glob("final-*.json"))) == 2 else None, "the ranks' final reports")
-
-        def at_final_step() -> bool:
-            steps = {s["metric"]["rank"]: float(s["value"][1])
-                     for s in prometheus.query(f'{M.STEP.prometheus}{{run="{RUN}"}}')}
-            return steps == {str(r): float(f["global_step"]) for r, f in enumerate(finals)}
-
-        wait_for(at_final_step, "Prometheus to hold the last report")
+        want_steps = {str(r): float(f["global_step"]) for r, f in enumerate(finals)}
+        wait_for(lambda: _values(prometheus, f'{M.STEP.prometheus}{{run="{RUN}"}}', "rank") == want_steps,
+                 "Prometheus to hold the last report")
         for rank, final in enumerate(finals):
-            memory = {s["metric"]["category"]: float(s["value"][1]) for s in prometheus.query(
-                f'{M.MEMORY.prometheus}{{run="{RUN}", rank="{rank}"}}')}
-            for category in ("params", "grads", "optimizer", "buffers", "total"):
-                assert memory[category] == final["memory"][category], (rank, category)
-            comm = {s["metric"]["kind"]: float(s["value"][1]) for s in prometheus.query(
-                f'{M.COMM_BYTES.prometheus}{{run="{RUN}", rank="{rank}"}}')}
-            assert comm == {k: float(v) for k, v in final["comm"].items()} and comm, rank
+            memory = {c: float(final["memory"][c]) for c in ("params", "grads", "optimizer", "buffers", "total")}
+            _wait_values(prometheus, f'{M.MEMORY.prometheus}{{run="{RUN}", rank="{rank}"}}', "category", memory)
+            comm = {k: float(v) for k, v in final["comm"].items()}
+            assert comm
+            _wait_values(prometheus, f'{M.COMM_BYTES.prometheus}{{run="{RUN}", rank="{rank}"}}', "kind", comm,
+                         exact=True)
     finally:
         (out / "stop").write_text("")
         (out / "release").write_text("")

@@ -4,8 +4,8 @@ Ray's metrics agent forgets a gauge series that was not set again within about t
 (``metrics_report_interval_ms``, 10 s by default): a core worker sends only the values recorded since
 its last export. A rank reports when its loop says so (maybe once a minute) and the controller changes
 state rarely, so their series would blink out of Prometheus between updates. A :class:`GaugeSet`
-remembers the latest value of each series and a daemon thread sets them again every half interval,
-off the training thread.
+remembers the latest value of each series and a daemon thread sets them again four times an
+interval (a busy machine may delay a round), off the training thread.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ _FALLBACK_INTERVAL_S = 5.0
 
 
 def _refresh_interval_s() -> float:
-    """Half of Ray's export interval (never below 0.5 s)."""
+    """A quarter of Ray's export interval (never below 0.25 s)."""
     try:
         import ray
 
-        return max(ray._config.metrics_report_interval_ms() / 2000.0, 0.5)
+        return max(ray._config.metrics_report_interval_ms() / 4000.0, 0.25)
     except Exception:  # a Ray without that (private) accessor
         return _FALLBACK_INTERVAL_S
 

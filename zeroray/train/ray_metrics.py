@@ -30,7 +30,7 @@ RANK_METRICS = (
     M.STEP, M.REPORTS, M.LOSS, M.LEARNING_RATE, M.GRAD_NORM, M.LOSS_SCALE, M.SKIPPED_STEPS, M.STEP_TIME,
     M.PHASE_TIME, M.SAMPLES_PER_SECOND, M.TOKENS_PER_SECOND, M.MFU, M.MEMORY, M.COMM_BYTES, M.COMM_BANDWIDTH,
     M.CHECKPOINT_SAVE_SECONDS, M.CHECKPOINT_STALL_SECONDS, M.CHECKPOINT_BYTES, M.CHECKPOINT_SAVES,
-    M.OFFLOAD_BYTES, M.OFFLOAD_BANDWIDTH,
+    M.CHECKPOINT_LOAD_SECONDS, M.CHECKPOINT_LOAD_BYTES, M.OFFLOAD_BYTES, M.OFFLOAD_BANDWIDTH,
 )
 
 
@@ -138,6 +138,10 @@ class RankMetrics(ReportCallback):
                 self._set(M.CHECKPOINT_SAVE_SECONDS, stats.checkpoint_s)
             self._set(M.CHECKPOINT_BYTES, stats.checkpoint_bytes)
             self._set(M.CHECKPOINT_SAVES, self._saves)
+        loaded = getattr(session, "checkpoint_load", None)  # (seconds, bytes) of zt.prepare's resume load
+        if loaded is not None:
+            self._set(M.CHECKPOINT_LOAD_SECONDS, loaded[0])
+            self._set(M.CHECKPOINT_LOAD_BYTES, loaded[1])
         self._last.time = now
 
     def _tokens_per_second(self, metrics: dict[str, Any], interval: float | None) -> float | None:
