@@ -78,6 +78,38 @@ def test_a_phase_left_open_by_an_exception_is_dropped() -> None:
     assert times.steps == 1 and times.backward_s == 0.0 and times.comm_wait_s >= 0.0
 
 
+def test_a_step_that_raised_does_not_swallow_later_steps() -> None:
+    timer = PhaseTimer(torch.device("cpu"))
+    timer.start("optimizer")  # the optimizer raised: never stopped
+    with timer.phase("forward"):
+        _spin(0.002)
+    timer.start("optimizer")
+    timer.stop("optimizer")
+    with timer.phase("forward"):
+        _spin(0.002)
+    timer.start("optimizer")
+    timer.stop("optimizer")
+    times = timer.report()
+    assert times.steps == 2 and times.forward_s >= 0.001
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_phase_times_are_read_without_waiting_for_the_device() -> None:
+    timer = PhaseTimer(torch.device("cuda"))
+    with timer.phase("forward"):
+        torch.cuda._sleep(2_000_000_000)  # keeps the GPU busy for about a second
+    with timer.phase("optimizer"):
+        pass
+    first = timer.report()  # a report that synchronized would have counted the forward
+    assert first.steps == 1 and first.forward_s == 0.0
+    torch.cuda.synchronize()
+    with timer.phase("optimizer"):
+        pass
+    torch.cuda.synchronize()
+    second = timer.report()
+    assert second.steps == 1 and second.forward_s > 0.1
+
+
 def _engine_phases(rank: int, world: int, stage: int) -> dict:
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32))

@@ -72,7 +72,14 @@ class PhaseTimer:
         return time.perf_counter()
 
     def start(self, phase: str) -> None:
-        """Begin ``phase`` (one of :data:`PHASES`), nested in the phase currently open, if any."""
+        """Begin ``phase`` (one of :data:`PHASES`), nested in the phase currently open, if any.
+
+        A phase never nests in itself: finding ``phase`` open already means an exception left it
+        (and what opened inside it) unfinished, so those are dropped."""
+        for i, rec in enumerate(self._stack):
+            if rec.phase == phase:
+                del self._stack[i:]
+                break
         self._stack.append(_Record(phase, self._mark()))
 
     def stop(self, phase: str) -> None:
