@@ -194,6 +194,29 @@ def test_dashboard_has_its_rows_and_panels() -> None:
     assert len(set(cells)) == len(cells)  # no two panels on one spot
 
 
+def test_dashboard_is_a_grafana_dashboard_model() -> None:
+    """Grafana's own model (grafana-foundation-sdk) reads every field the dashboard sets, with its value."""
+    sdk = pytest.importorskip("grafana_foundation_sdk.models.dashboard")
+    import json
+
+    model = json.loads((ROOT / "dashboards" / dashboard.FILE_NAME).read_text())
+    parsed = json.loads(json.dumps(sdk.Dashboard.from_json(model).to_json(),
+                                   default=lambda o: o.to_json() if hasattr(o, "to_json") else str(o)))
+
+    def lost(ours: object, theirs: object, path: str) -> list[str]:
+        if isinstance(ours, dict):
+            if not isinstance(theirs, dict):
+                return [path]
+            return [p for k, v in ours.items() for p in (lost(v, theirs[k], f"{path}/{k}") if k in theirs else [f"{path}/{k}"])]
+        if isinstance(ours, list):
+            if not isinstance(theirs, list) or len(ours) != len(theirs):
+                return [path]
+            return [p for i, (a, b) in enumerate(zip(ours, theirs)) for p in lost(a, b, f"{path}[{i}]")]
+        return [] if ours == theirs else [path]
+
+    assert lost(model, parsed, "") == []
+
+
 def test_every_query_uses_only_metrics_zeroray_defines() -> None:
     defined = {m.prometheus for m in M.ALL}
     used: set[str] = set()
