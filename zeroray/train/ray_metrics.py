@@ -15,6 +15,7 @@ cannot count them: it counts zeroray's GPT and Hugging Face Llama-like models fr
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from zeroray.monitoring import flops
@@ -80,8 +81,6 @@ class RankMetrics(ReportCallback):
                 logger.warning("zeroray: rank %d could not export its Ray metrics", self.rank, exc_info=True)
 
     def _export(self, metrics: dict[str, Any], stats: RankStats, num_reports: int) -> None:
-        import time
-
         from zeroray.train.context import get_session
 
         session = get_session("report()")
