@@ -58,13 +58,16 @@ def test_times_carry_over_until_an_optimizer_step_and_are_per_step() -> None:
         pass
     first = timer.report()
     assert first.steps == 1 and first.forward_s >= 0.004
+    outside = 0.0
     for _ in range(2):
+        t0 = time.perf_counter()
         with timer.phase("forward"):
             _spin(0.002)
+        outside += time.perf_counter() - t0
         with timer.phase("optimizer"):
             pass
     second = timer.report()
-    assert second.steps == 2 and 0.002 <= second.forward_s < first.forward_s
+    assert second.steps == 2 and 0.002 <= second.forward_s <= outside / 2  # the mean over the two steps
 
 
 def test_a_phase_left_open_by_an_exception_is_dropped() -> None:

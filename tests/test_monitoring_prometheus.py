@@ -83,6 +83,7 @@ class Prometheus:
         config["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s", "scrape_timeout": "1s"}
         for job in config["scrape_configs"]:
             job["file_sd_configs"][0]["refresh_interval"] = "1s"
+        workdir.mkdir()
         path = workdir / "prometheus.yml"
         path.write_text(yaml.safe_dump(config))
         self.port = _free_port()
@@ -147,9 +148,16 @@ def prometheus(ray_cluster, tmp_path):
     session = Path(ray._private.worker.global_worker.node.get_session_dir_path())
     ray_config = session / "metrics" / "prometheus" / "prometheus.yml"
     wait_for(ray_config.exists, f"Ray's generated {ray_config}")
-    prom = Prometheus(binary, ray_config, tmp_path)
+    for attempt in range(3):  # the free port may be taken between picking it and Prometheus binding it
+        prom = Prometheus(binary, ray_config, tmp_path / f"prometheus-{attempt}")
+        try:
+            prom.wait_ready()
+            break
+        except RuntimeError:
+            prom.close()
+            if attempt == 2:
+                raise
     try:
-        prom.wait_ready()
         yield prom
     finally:
         prom.close()

@@ -23,21 +23,28 @@ class ControllerMetrics(ControllerCallback):
     """Gauges of one ``fit()``'s controller, tagged with the run's name."""
 
     def __init__(self, run: str) -> None:
-        self.gauges = GaugeSet(CONTROLLER_METRICS, {"run": run})
         self.attempts = self.failures = self.resizes = 0
         self._warned = False
+        try:
+            self.gauges: GaugeSet | None = GaugeSet(CONTROLLER_METRICS, {"run": run})
+        except Exception:  # no metrics in this Ray connection: the run goes on without them
+            self.gauges = None
+            self._warn()
 
     def after_state_change(self, previous: S.ControllerState | None, current: S.ControllerState) -> None:
         """Count what the new state means, then export; never raises into the controller."""
         if isinstance(current, S.Scheduling):
             self.attempts += 1
-            self._set(M.WORLD_SIZE, current.decision.num_workers)
         elif isinstance(current, S.Restarting):
             self.failures += 1
         elif isinstance(current, S.Errored) and isinstance(previous, S.Running | S.Scheduling):
             self.failures += 1  # the failure the policy did not restart from
         elif isinstance(current, S.Resizing):
             self.resizes += 1
+        if self.gauges is None:
+            return
+        if isinstance(current, S.Scheduling):
+            self._set(M.WORLD_SIZE, current.decision.num_workers)
         self._set(M.ATTEMPTS, self.attempts)
         self._set(M.FAILURES, self.failures)
         self._set(M.RESIZES, self.resizes)
@@ -52,6 +59,9 @@ class ControllerMetrics(ControllerCallback):
         try:
             self.gauges.set(metric, value, **extra)
         except Exception:  # metrics are best effort; the run goes on
-            if not self._warned:
-                self._warned = True
-                logger.warning("zeroray: could not export the controller's Ray metrics", exc_info=True)
+            self._warn()
+
+    def _warn(self) -> None:
+        if not self._warned:
+            self._warned = True
+            logger.warning("zeroray: could not export the controller's Ray metrics", exc_info=True)
