@@ -250,6 +250,7 @@ def test_prometheus_scrapes_every_dashboard_query(prometheus, ray_cluster, tmp_p
         (out / "release").write_text("")
         fit.join(timeout=2 * DEADLINE_S)
     assert "r" in result and result["r"].error is None
+    assert not [t for t in threading.enumerate() if t.name == "zeroray-metrics"]  # the driver's refresh ended
     # The driver's gauges stop being refreshed at the end: the final state was scraped at least once.
     wait_for(lambda: prometheus.query(
         f'max_over_time({M.CONTROLLER_STATE.prometheus}{{run="{RUN}", state="FINISHED"}}[5m]) == 1'),
