@@ -33,6 +33,7 @@ from zeroray.engine.layout import TensorSlot
 from zeroray.engine.loss_scaler import LossScaler
 from zeroray.engine.materialize import InitFn, MetaInit, compute_device, meta_tensor_ids
 from zeroray.engine.param_guard import ParamGuard
+from zeroray.engine.phase_timer import PhaseTimer, StepTimes
 from zeroray.engine.reducer import GradReducer
 from zeroray.engine.schedule import UnitScheduler
 from zeroray.engine.sharded_optim import (
@@ -129,6 +130,7 @@ class ZeroEngine:
         self._backward_since_step = False  # step() without a backward is a no-op, as torch's is
         self._grad_norm: torch.Tensor | None = None  # read lazily: a float here would sync every step
         self.loss_scaler = LossScaler(config)
+        self._phases = PhaseTimer(self.device)  # forward / backward / optimizer / comm wait, never syncs
 
         # ---- layout (stages 0-2: a meta model is first materialized whole, the same on every rank)
         if meta_init is not None and not sharding.shards_params:
@@ -227,7 +229,10 @@ class ZeroEngine:
 
     # ------------------------------------------------------------------ training
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
+        if not torch.is_grad_enabled():  # evaluation: not part of a training step's time
+            return self.module(*args, **kwargs)
+        with self._phases.phase("forward"):
+            return self.module(*args, **kwargs)
 
     forward = __call__
 
@@ -264,8 +269,10 @@ class ZeroEngine:
         """Backward of ``loss / gradient_accumulation_steps`` (times the fp16 loss scale)."""
         scale = self.loss_scaler.scale / self.gradient_accumulation_steps
         self.reducer.begin(self.is_gradient_accumulation_boundary())
-        (loss * scale if scale != 1 else loss).backward()
-        self.reducer.finish()
+        with self._phases.phase("backward"):
+            (loss * scale if scale != 1 else loss).backward()
+        with self._phases.phase("comm_wait"):  # the reductions backward could not hide
+            self.reducer.finish()
         if self.scheduler is not None:
             self.scheduler.after_backward()
         self._backward_since_step = True
@@ -282,6 +289,7 @@ class ZeroEngine:
         self.micro_step += 1
         if not boundary:
             return
+        self._phases.start("optimizer")
         trainable = [g for g in self.groups if g.trainable]
         # One cast from the reduce dtype into the optimizer's (fp32) gradients.
         grads = {g: g.grad_shard if g.grad_shard.dtype == g.master.dtype else g.grad_shard.to(g.master.dtype) for g in trainable}
@@ -310,6 +318,7 @@ class ZeroEngine:
             g.opt_param.grad = None
             g.zero_grad()
         self.global_step += 1
+        self._phases.stop("optimizer")
 
     @property
     def last_grad_norm(self) -> float | None:
@@ -437,7 +446,8 @@ class ZeroEngine:
         gathers = InFlight(self.config.comm.allgather_bucket_size)
         for g in groups:
             gathers.add(g.publish_master(), g.padded)
-        gathers.wait_all()
+        with self._phases.phase("comm_wait"):
+            gathers.wait_all()
 
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds persistently, by category (master weights count under optimizer)."""
@@ -457,6 +467,12 @@ class ZeroEngine:
 
     def _all_opt_params(self) -> list[nn.Parameter]:
         return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def phase_report(self) -> StepTimes:
+        """Mean seconds per optimizer step in forward, backward, optimizer step and exposed
+        communication wait since the previous call; reading it never waits for the device (CUDA
+        times not yet complete count at a later call)."""
+        return self._phases.report()
 
     def comm_report(self) -> dict[str, int]:
         """Cumulative bytes per collective kind since set-up or the last reset."""
