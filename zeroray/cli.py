@@ -297,7 +297,7 @@ def _watch(run_url: str, interval_s: float, once: bool, options: dict[str, Any])
     reader = HistoryReader(run_url, options)
     history = reader.poll()
     if once or history.ended:
-        history = reader.read()  # fails on a run with no report
+        history.require_reports()
     console = Console()
     if not console.is_terminal:
         console = Console(width=max(console.width, 200))  # a pipe: no wrapping of the rank table

@@ -64,6 +64,14 @@ class RunHistory:
     def latest(self) -> dict[str, Any] | None:
         return self.entries[-1] if self.entries else None
 
+    def require_reports(self) -> RunHistory:
+        """This history, or a :class:`NoHistoryError` when the run has not reported yet."""
+        if not self.entries:
+            raise NoHistoryError(
+                f"run {self.name!r} at {self.url} has no history yet: no report in {HISTORY} (status {self.status})"
+            )
+        return self
+
     def elapsed_s(self) -> list[float]:
         """Seconds of training before each report, continued across the run's ``fit()`` calls (each
         ``fit()`` counts ``_time_s`` from its own start, so a drop starts the next one)."""
@@ -138,8 +146,13 @@ class HistoryReader:
         return posixpath.join(self.dir, name)
 
     def _cat(self, name: str, start: int = 0) -> bytes | None:
+        """The file's bytes from ``start`` (b"" when it has no more: object stores refuse a range
+        that starts at the end); None when the file does not exist."""
+        path = self._path(name)
         try:
-            return self.fs.cat_file(self._path(name), start=start or None)
+            if start and self.fs.size(path) <= start:
+                return b""
+            return self.fs.cat_file(path, start=start or None)
         except FileNotFoundError:
             return None
         except Exception as e:  # no credentials, unreachable endpoint
@@ -187,10 +200,4 @@ class HistoryReader:
 
     def read(self) -> RunHistory:
         """The whole history; a run with no report yet is a :class:`NoHistoryError`."""
-        history = self.poll()
-        if not history.entries:
-            raise NoHistoryError(
-                f"run {history.name!r} at {self.url} has no history yet: no report in {HISTORY} "
-                f"(status {history.status})"
-            )
-        return history
+        return self.poll().require_reports()
