@@ -50,6 +50,10 @@ def _loop(config: dict[str, Any]) -> None:
     g = torch.Generator().manual_seed(ctx.get_world_rank())
     tokens = 0
     while engine.global_step < config["steps"]:
+        crash = config.get("crash_once")
+        if crash and engine.global_step == 3 and ctx.get_world_rank() == 1 and not Path(crash).exists():
+            Path(crash).write_text("crashed")
+            raise RuntimeError("rank 1 fails once")
         if config.get("gate") and engine.global_step == config["gate_after"]:
             deadline = time.monotonic() + config["max_wait_s"]
             while not Path(config["gate"]).exists() and time.monotonic() < deadline:
@@ -65,15 +69,15 @@ def _loop(config: dict[str, Any]) -> None:
         zt.report(metrics)
 
 
-def _trainer(tmp_path: Path, name: str, **config: Any):
-    from zeroray.train import ScalingConfig, ZeroTrainer
+def _trainer(tmp_path: Path, name: str, max_failures: int = 0, **config: Any):
+    from zeroray.train import FailureConfig, ScalingConfig, ZeroTrainer
 
     return ZeroTrainer(
         _loop,
         train_loop_config={"steps": STEPS, **config},
         zero_config={"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 2},
         scaling_config=ScalingConfig(num_workers=2),
-        run_config=run_config(tmp_path, name),
+        run_config=run_config(tmp_path, name, failure_config=FailureConfig(max_failures=max_failures)),
     )
 
 
@@ -198,6 +202,27 @@ def test_plot_writes_decodable_pngs_of_the_history(finished_run, tmp_path, capsy
     assert set(world.get_ydata()) == {2}
     throughput = plot._throughput(history).axes
     assert [line.get_label() for ax in throughput for line in ax.get_lines()] == ["steps/s", "tokens/s"]
+
+
+def test_a_restarted_run_shows_its_second_attempt(ray_cluster, tmp_path, capsys):
+    """Rank 1 fails once at step 3; the group restarts (from scratch: no checkpoint) and finishes.
+    watch shows the second attempt's reports; the world-size plot marks where the new group started."""
+    from zeroray.monitoring import plot
+
+    result = _trainer(tmp_path, "restarted", max_failures=1, crash_once=str(tmp_path / "crashed")).fit()
+    assert result.error is None
+    run = tmp_path / "runs" / "restarted"
+    entries = _entries(run)
+    assert [e["_attempt"] for e in entries] == [1] * 3 + [2] * STEPS
+    assert main(["watch", "--once", str(run)]) == 0
+    out = capsys.readouterr().out
+    _check_snapshot(out, entries, "FINISHED", name="restarted")
+    assert "attempt 2" in out and f"report {STEPS} of attempt 2" in out
+    history = run_history.HistoryReader(str(run)).read()
+    ax = plot._world_size(history).axes[0]
+    marks = [line for line in ax.get_lines() if line.get_linestyle() == "--"]
+    assert len(marks) == 1 and marks[0].get_xdata()[0] == history.elapsed_s()[3]
+    assert [t.get_text() for t in ax.texts] == ["attempt 2"]
 
 
 def test_plot_default_out_is_named_after_the_run(finished_run, tmp_path, monkeypatch, capsys):

@@ -44,6 +44,11 @@ def _empty(ax: Any, what: str) -> None:
     ax.text(0.5, 0.5, what, ha="center", va="center", transform=ax.transAxes)
 
 
+def _step_axis(ax: Any) -> None:
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.grid(alpha=0.3)
+
+
 def _loss(history: RunHistory) -> Any:
     """Every numeric metric of the loop named like a loss (loss, val_loss, ...), as rank 0 reported it."""
     fig = _figure()
@@ -59,7 +64,7 @@ def _loss(history: RunHistory) -> Any:
     else:
         _empty(ax, "the loop reported no loss")
     ax.set(title=f"{history.name}: loss (rank 0)", xlabel="optimizer step", ylabel="loss")
-    ax.grid(alpha=0.3)
+    _step_axis(ax)
     return fig
 
 
@@ -83,15 +88,16 @@ def _throughput(history: RunHistory) -> Any:
         tx.plot(*zip(*tokens), color="C1", label="tokens/s")
         tx.set_ylabel("tokens/s")
         fig.legend(loc="outside lower center", ncols=2)
-    ax.grid(alpha=0.3)
+    _step_axis(ax)
     return fig
 
 
 def _memory(history: RunHistory) -> Any:
-    """Per rank: the engine's persistent model states (``memory_report()['total']``), the process's
-    RSS, and on GPUs the allocator's peak."""
+    """Per rank, side by side (their scales differ by orders of magnitude on small models): the
+    engine's persistent model states (``memory_report()['total']``), and the process's RSS and on
+    GPUs the allocator's peak (activations and temporaries on top)."""
     fig = _figure()
-    ax = fig.add_subplot()
+    states, process = fig.subplots(1, 2)
     series: dict[tuple[int, str], list[tuple[int, float]]] = {}
     for step, entry in zip(history.steps(), history.entries):
         for r in entry.get("_ranks") or []:
@@ -99,27 +105,37 @@ def _memory(history: RunHistory) -> Any:
                 if (v := number((r.get("memory") or {}).get(key))) is not None:
                     series.setdefault((int(r.get("rank", 0)), key), []).append((step, v / _MIB))
     names = {"total": "model states", "process_rss": "RSS", "cuda_max_allocated": "GPU peak"}
-    styles = {"total": "-", "process_rss": "--", "cuda_max_allocated": ":"}
+    styles = {"total": "-", "process_rss": "-", "cuda_max_allocated": ":"}
     for (rank, key), points in sorted(series.items()):
+        ax = states if key == "total" else process
         ax.plot(*zip(*points), styles[key], color=f"C{rank % 10}", label=f"rank {rank} {names[key]}")
-    if series:
-        ax.legend(fontsize="small", ncols=2)
-    else:
-        _empty(ax, "no memory reported")
-    ax.set(title=f"{history.name}: memory per rank", xlabel="optimizer step", ylabel="MiB")
-    ax.grid(alpha=0.3)
+    for ax, title in ((states, "model states (memory_report)"), (process, "process")):
+        if ax.get_lines():
+            ax.legend(fontsize="small")
+        else:
+            _empty(ax, "not reported")
+        ax.set(title=title, xlabel="optimizer step", ylabel="MiB")
+        _step_axis(ax)
+    fig.suptitle(f"{history.name}: memory per rank")
     return fig
 
 
 def _world_size(history: RunHistory) -> Any:
-    """Ranks in the group at each report against seconds of training (restarts and resizes show as steps)."""
+    """Ranks in the group at each report against seconds since ``fit()`` started (continued across
+    the run's fits); a dashed line where a new worker group starts (a restart, a resize)."""
     fig = _figure()
     ax = fig.add_subplot()
     sizes = [len(e.get("_ranks") or ()) for e in history.entries]
-    ax.step(history.elapsed_s(), sizes, where="post", marker=".")
+    elapsed = history.elapsed_s()
+    ax.step(elapsed, sizes, where="post", marker=".")
+    for i, (t, entry) in enumerate(zip(elapsed, history.entries)):
+        if i and entry.get("_report") == 1:  # a group's first report: a restart, a resize or the next fit()
+            ax.axvline(t, color="grey", linestyle="--")
+            ax.annotate(f"attempt {entry.get('_attempt')}", (t, 0.5), rotation=90, ha="right", fontsize="small")
     ax.set_ylim(0, max(sizes) + 1)
+    ax.set_xlim(left=0)
     ax.yaxis.get_major_locator().set_params(integer=True)
-    ax.set(title=f"{history.name}: world size", xlabel="seconds of training", ylabel="ranks")
+    ax.set(title=f"{history.name}: world size", xlabel="seconds since fit() started", ylabel="ranks")
     ax.grid(alpha=0.3)
     return fig
 
