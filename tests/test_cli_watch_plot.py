@@ -37,7 +37,7 @@ DEADLINE_S = 120.0
 
 def _loop(config: dict[str, Any]) -> None:
     """zeroray's GPT; reports loss, a running token count and an evaluation loss every 3 steps. With
-    ``gate``: after ``gate_after`` reports, wait for that file before going on (bounded)."""
+    ``gates`` ([step, file] pairs): at that step, wait for the file before going on (bounded)."""
     import torch
 
     import zeroray.train as zt
@@ -54,9 +54,9 @@ def _loop(config: dict[str, Any]) -> None:
         if crash and engine.global_step == 3 and ctx.get_world_rank() == 1 and not Path(crash).exists():
             Path(crash).write_text("crashed")
             raise RuntimeError("rank 1 fails once")
-        if config.get("gate") and engine.global_step == config["gate_after"]:
+        for after, gate in config.get("gates", []):
             deadline = time.monotonic() + config["max_wait_s"]
-            while not Path(config["gate"]).exists() and time.monotonic() < deadline:
+            while engine.global_step == after and not Path(gate).exists() and time.monotonic() < deadline:
                 time.sleep(0.05)
         x = torch.randint(0, 64, (2, 16), generator=g)
         _, loss = engine(x, x)
@@ -333,8 +333,11 @@ def _wait_file(path: Path, what: str) -> None:
 
 
 def test_watch_follows_a_live_run_to_its_end(ray_cluster, tmp_path):
-    gate = tmp_path / "go"
-    trainer = _trainer(tmp_path, "followed", gate=str(gate), gate_after=2, max_wait_s=DEADLINE_S)
+    """Started before the run's first report, a piped watch waits for it, follows the run and ends
+    with it; a watch on a terminal (rich's Live view) stops cleanly on Ctrl-C."""
+    first_gate, second_gate = tmp_path / "first", tmp_path / "second"
+    trainer = _trainer(tmp_path, "followed", gates=[[0, str(first_gate)], [2, str(second_gate)]],
+                       max_wait_s=DEADLINE_S)
     run = tmp_path / "runs" / "followed"
     result: dict[str, Any] = {}
     fit = threading.Thread(target=lambda: result.update(r=trainer.fit()), daemon=True)
@@ -343,28 +346,35 @@ def test_watch_follows_a_live_run_to_its_end(ray_cluster, tmp_path):
     argv = [sys.executable, "-m", "zeroray.cli", "watch", str(run), "--interval", "0.2"]
     procs: list[subprocess.Popen] = []
     try:
-        _wait_file(run / "metrics.jsonl", "the run's first report")  # the run is live: it waits for the gate
+        _wait_file(run / "run.json", "the run's run.json")  # no report before the first gate opens
         piped = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO, env=env)
         procs.append(piped)
+        piped_out = _Output(piped.stdout.fileno())
+        piped_out.wait_for("waiting for the first report", "the watch to wait for the first report")
+        assert not (run / "metrics.jsonl").exists()
+
+        first_gate.write_text("go")  # two reports (the first written at once), then a wait at the second gate
+        first = piped_out.wait_for(r"RUNNING.*\n(.|\n)*│ +1 │ +[12] │", "a snapshot of the running run")
+        assert "FINISHED" not in first
+        assert first.count("run followed") <= 3, first  # a snapshot when the history changed, not every poll
+
         primary, replica = pty.openpty()
         tty = subprocess.Popen(argv, stdout=replica, stderr=replica, stdin=replica, cwd=REPO, env=env)
         procs.append(tty)
         os.close(replica)
-        piped_out, tty_out = _Output(piped.stdout.fileno()), _Output(primary)
-
-        first = piped_out.wait_for(r"RUNNING.*?\n(.|\n)*?rank", "the first snapshot of the running run")
-        assert "FINISHED" not in first
+        tty_out = _Output(primary)
         tty_out.wait_for("comm wait", "the Live view on the terminal")
         tty.send_signal(signal.SIGINT)  # Ctrl-C: a clean stop
         assert tty.wait(timeout=DEADLINE_S) == 130
         assert "Traceback" not in tty_out.rest()
 
-        gate.write_text("go")
+        second_gate.write_text("go")
         assert piped.wait(timeout=DEADLINE_S) == 0, piped.stderr.read().decode()
         out = piped_out.rest()
         assert "Traceback" not in piped.stderr.read().decode()
     finally:
-        gate.write_text("go")
+        first_gate.write_text("go")
+        second_gate.write_text("go")
         for p in procs:
             if p.poll() is None:
                 p.kill()

@@ -312,7 +312,7 @@ def _watch(run_url: str, interval_s: float, once: bool, options: dict[str, Any])
         else:
             shown = None
             for history in follow(reader, interval_s):
-                version = (len(history.entries), history.status, history.info.get("updated_at"))
+                version = (len(history.entries), history.status, history.info.get("attempts"))
                 if version != shown:
                     shown = version
                     console.print(render(history))
