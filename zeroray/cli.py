@@ -284,7 +284,10 @@ def cmd_watch(args: argparse.Namespace) -> int:
     """On a terminal a rich Live view; otherwise (a pipe, a log file) a new snapshot whenever the
     history changed. A run still starting (no report yet) is waited for; ``--once`` of it and a run
     that ended without reporting are errors."""
-    return _reported(lambda: _watch(args.run_url, args.interval, args.once, dict(args.storage_option)))
+    try:
+        return _reported(lambda: _watch(args.run_url, args.interval, args.once, dict(args.storage_option)))
+    except KeyboardInterrupt:  # Ctrl-C: the Live view has restored the terminal on its way out
+        return 130
 
 
 def _watch(run_url: str, interval_s: float, once: bool, options: dict[str, Any]) -> int:
@@ -304,21 +307,18 @@ def _watch(run_url: str, interval_s: float, once: bool, options: dict[str, Any])
     if once:
         console.print(render(history))
         return 0
-    try:
-        if console.is_terminal:
-            with Live(render(history), console=console, auto_refresh=False) as live:
-                for history in follow(reader, interval_s):
-                    live.update(render(history), refresh=True)
-        else:
-            shown = None
+    if console.is_terminal:
+        with Live(render(history), console=console, auto_refresh=False) as live:
             for history in follow(reader, interval_s):
-                version = (len(history.entries), history.status, history.info.get("attempts"))
-                if version != shown:
-                    shown = version
-                    console.print(render(history))
-                    console.file.flush()
-    except KeyboardInterrupt:
-        return 130
+                live.update(render(history), refresh=True)
+    else:
+        shown = None
+        for history in follow(reader, interval_s):
+            version = (len(history.entries), history.status, history.info.get("attempts"))
+            if version != shown:  # not on every rewrite of run.json: the driver rewrites it every poll
+                shown = version
+                console.print(render(history))
+                console.file.flush()
     return 0 if history.status == "FINISHED" else 1
 
 

@@ -54,7 +54,7 @@ def _loss(history: RunHistory) -> Any:
     fig = _figure()
     ax = fig.add_subplot()
     steps = history.steps()
-    keys = [k for k in history.metric_keys() if "loss" in k.lower()]
+    keys = [k for k in history.latest_metrics() if "loss" in k.lower()]
     for key in keys:
         points = [(s, number(e.get(key))) for s, e in zip(steps, history.entries)]
         xs, ys = zip(*[(s, v) for s, v in points if v is not None])

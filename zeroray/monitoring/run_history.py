@@ -73,8 +73,8 @@ class RunHistory:
         return self
 
     def elapsed_s(self) -> list[float]:
-        """Seconds of training before each report, continued across the run's ``fit()`` calls (each
-        ``fit()`` counts ``_time_s`` from its own start, so a drop starts the next one)."""
+        """Seconds since ``fit()`` started at each report, continued across the run's ``fit()`` calls
+        (each counts ``_time_s`` from its own start, so a drop starts the next one)."""
         out: list[float] = []
         offset, last = 0.0, 0.0
         for entry in self.entries:
@@ -97,18 +97,9 @@ class RunHistory:
         """The group's batch per optimizer step, when run.json records it."""
         return number(self.info.get("samples_per_step"))
 
-    def metric_keys(self) -> list[str]:
-        """The loop's own numeric metrics (rank 0's), in the order they first appear."""
-        keys: dict[str, None] = {}
-        for entry in self.entries:
-            for k, v in entry.items():
-                if not k.startswith("_") and number(v) is not None:
-                    keys.setdefault(k)
-        return list(keys)
-
     def latest_metrics(self) -> dict[str, float]:
-        """The last value of each of the loop's numeric metrics (``val_loss`` reported every N steps
-        keeps its last value between evaluations)."""
+        """The last value of each of the loop's numeric metrics (rank 0's), in the order they first
+        appear (``val_loss`` reported every N steps keeps its last value between evaluations)."""
         out: dict[str, float] = {}
         for entry in self.entries:
             for k, v in entry.items():
