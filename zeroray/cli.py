@@ -2,7 +2,8 @@
 arguments, ``cmd_<name>(args)`` runs it and returns the exit status. All printing of the command
 lives here; the library packages only return values and raise.
 
-Exit status: 0 success; 1 a checkpoint is bad (not committed, damaged, fails ``--verify``);
+Exit status: 0 success; 1 a checkpoint is bad (not committed, damaged, fails ``--verify``), or the
+run ``watch`` followed ended ERRORED or ABORTED; 130 ``watch`` stopped by Ctrl-C;
 2 a usage error — a bad argument value, a path that does not exist or is the wrong kind, storage
 that cannot be opened or read (no credentials, unreachable) — reported as one line on stderr,
 never a traceback.
@@ -253,6 +254,106 @@ def cmd_export(args: argparse.Namespace) -> int:
     return _reported(run)
 
 
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number of seconds > 0."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(x) or x <= 0:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}")
+    return x
+
+
+def _add_watch(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "watch",
+        help="a live terminal view of a run's latest metrics per rank",
+        description="Show the run's status, the loop's latest metrics and each rank's latest step, step time "
+        "by phase, memory and bytes moved, read from the run's history (run.json, metrics.jsonl), refreshed "
+        "until the run ends. Exit 1 when it ended ERRORED or ABORTED.",
+    )
+    p.add_argument("run_url", help="the run directory, <storage_path>/<name> (any fsspec URL)")
+    p.add_argument("--interval", type=positive_float, default=2.0, help="seconds between refreshes (default 2)")
+    p.add_argument("--once", action="store_true", help="print one snapshot and exit")
+    _add_storage_options(p)
+    p.set_defaults(func=cmd_watch)
+
+
+def cmd_watch(args: argparse.Namespace) -> int:
+    """On a terminal a rich Live view; otherwise (a pipe, a log file) a new snapshot whenever the
+    history changed. A run still starting (no report yet) is waited for; ``--once`` of it and a run
+    that ended without reporting are errors."""
+    try:
+        return _reported(lambda: _watch(args.run_url, args.interval, args.once, dict(args.storage_option)))
+    except KeyboardInterrupt:  # Ctrl-C: the Live view has restored the terminal on its way out
+        return 130
+
+
+def _watch(run_url: str, interval_s: float, once: bool, options: dict[str, Any]) -> int:
+    from rich.console import Console
+    from rich.live import Live
+
+    from zeroray.monitoring.run_history import HistoryReader
+    from zeroray.monitoring.watch import follow, render
+
+    reader = HistoryReader(run_url, options)
+    history = reader.poll()
+    if once or history.ended:
+        history.require_reports()
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=max(console.width, 200))  # a pipe: no wrapping of the rank table
+    if once:
+        console.print(render(history))
+        return 0
+    if console.is_terminal:
+        with Live(render(history), console=console, auto_refresh=False) as live:
+            for history in follow(reader, interval_s):
+                live.update(render(history), refresh=True)
+    else:
+        shown = None
+        for history in follow(reader, interval_s):
+            version = (len(history.entries), history.status, history.info.get("attempts"))
+            if version != shown:  # not on every rewrite of run.json: the driver rewrites it every poll
+                shown = version
+                console.print(render(history))
+                console.file.flush()
+    return 0 if history.status == "FINISHED" else 1
+
+
+def _add_plot(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plot",
+        help="PNG plots of a run's loss, throughput, memory per rank and world size",
+        description="Write loss.png, throughput.png, memory.png and world_size.png from the run's history "
+        "(needs matplotlib: pip install 'zeroray[plot]').",
+    )
+    p.add_argument("run_url", help="the run directory, <storage_path>/<name> (any fsspec URL)")
+    p.add_argument("--out", default=None, help="directory for the PNGs, any fsspec URL (default: ./<run name>-plots)")
+    _add_storage_options(p)
+    p.set_defaults(func=cmd_plot)
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    """Write the plots and print their URLs."""
+    from zeroray.monitoring.plot import PlotDependencyError, plot_run, require_matplotlib
+    from zeroray.monitoring.run_history import HistoryReader
+
+    def run() -> int:
+        options = dict(args.storage_option)
+        history = HistoryReader(args.run_url, options).read()
+        for url in plot_run(history, args.out or f"{history.name}-plots", options):
+            print(url)
+        return 0
+
+    try:
+        require_matplotlib()
+    except PlotDependencyError as e:
+        return _fail(str(e))
+    return _reported(run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with every subcommand registered."""
     parser = _Parser(
@@ -262,6 +363,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_estimate(sub)
     _add_ls(sub)
     _add_export(sub)
+    _add_watch(sub)
+    _add_plot(sub)
     return parser
 
 
