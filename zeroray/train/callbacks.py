@@ -32,6 +32,13 @@ class ControllerCallback:
     def after_report(self, report: Report, entry: dict[str, Any]) -> None:
         """A report of the group arrived; ``entry`` is its row of the metrics history."""
 
+    def after_attempt_start(self, attempt: Any) -> None:
+        """A group started (``zeroray.train.result.Attempt``: index, world size, the step it resumes from)."""
+
+    def after_attempt_end(self, attempt: Any) -> None:
+        """A group ended; ``attempt.end`` says why: "finished", "failure" (``rank``, ``node``),
+        "resize_up" / "resize_down" (a planned resize), "aborted", "errored"."""
+
 
 class ReportCallback:
     """Hooks of one rank's ``zt.report``, run in the rank's process after the barrier."""
@@ -120,6 +127,21 @@ class RunInfoCallback(ControllerCallback):
         if isinstance(current, S.Errored):
             self.info["error"] = str(current.error)
         self.write()
+
+    def after_attempt_start(self, attempt: Any) -> None:
+        self._attempt(attempt)
+
+    def after_attempt_end(self, attempt: Any) -> None:
+        self._attempt(attempt)
+        self.write()
+
+    def _attempt(self, attempt: Any) -> None:
+        history = self.info.setdefault("attempt_history", [])
+        row = attempt.as_dict()
+        if history and history[-1]["index"] == attempt.index:
+            history[-1] = row
+        else:
+            history.append(row)
 
     def after_report(self, report: Report, entry: dict[str, Any]) -> None:
         self.info["num_reports"] += 1

@@ -54,6 +54,7 @@ def resume(session: Session) -> bool:
     if url is not None:
         wait(session)  # an async save of an earlier engine of this loop must not race the read
         zc.load(session.engine, url, storage_options=options)
+        session.last_saved_step = session.engine.global_step
     return url is not None
 
 
@@ -72,6 +73,7 @@ def save(session: Session) -> None:
     commit."""
     engine, cfg = session.engine, session.checkpoint_config
     url = zc.checkpoint_url(session.context.trial_dir, engine.global_step)
+    session.last_saved_step = engine.global_step
     options = {"storage_options": session.storage_options, "num_to_keep": cfg.num_to_keep}
     if not cfg.async_save:
         wait(session)  # a sync save after an async one: one save in flight at a time
