@@ -54,8 +54,18 @@ def resume(session: Session) -> bool:
     if url is not None:
         wait(session)  # an async save of an earlier engine of this loop must not race the read
         zc.load(session.engine, url, storage_options=options)
+        if session.elastic:
+            _realign_accumulation(session.engine)
         session.last_saved_step = session.engine.global_step
     return url is not None
+
+
+def _realign_accumulation(engine: Any) -> None:
+    """A checkpoint saved at another world size counted micro-steps with that size's accumulation; the engine
+    restores that count as it is, so the next optimizer step would come after the wrong number of
+    micro-batches. Partial accumulations are not saved, so the run resumes at the step's first micro-batch.
+    (The engine's own load should do this once it records the accumulation in the checkpoint.)"""
+    engine.micro_step = engine.global_step * engine.gradient_accumulation_steps
 
 
 def require_engine(session: Session) -> None:
