@@ -192,7 +192,8 @@ class Controller:
             remaining = None if overall is None else max(overall - (time.monotonic() - start), 1e-3)
             window = remaining
             if policy.elastic and decision.num_workers > policy.scaling_config.min_workers:
-                window = ELASTIC_PLACEMENT_RETRY_S if remaining is None else min(ELASTIC_PLACEMENT_RETRY_S, remaining)
+                # leave time for a smaller size within placement_timeout_s
+                window = ELASTIC_PLACEMENT_RETRY_S if remaining is None else min(ELASTIC_PLACEMENT_RETRY_S, remaining / 2)
             try:
                 group = WorkerGroup.start(
                     spec=self.spec,

@@ -105,7 +105,10 @@ def rank_layout(bundle_nodes: list[str]) -> tuple[list[int], list[RankInfo]]:
 
 
 def _wait_for_placement(pg: PlacementGroup, bundles: list[dict[str, float]], strategy: str,
-                        timeout_s: float | None) -> None:
+                        timeout_s: float | None, configured_s: float | None = None) -> None:
+    """Wait for the bundles; after ``timeout_s`` raise, naming ``configured_s`` (placement_timeout_s: what the
+    user set, of which ``timeout_s`` may be the rest)."""
+    configured_s = timeout_s if configured_s is None else configured_s
     start = time.monotonic()
     while True:
         ready, _ = ray.wait([pg.ready()], timeout=30.0 if timeout_s is None else min(30.0, timeout_s))
@@ -118,7 +121,7 @@ def _wait_for_placement(pg: PlacementGroup, bundles: list[dict[str, float]], str
         )
         if timeout_s is not None and waited >= timeout_s:
             raise WorkerGroupStartError(
-                "placement", f"could not place {what}; gave up after ScalingConfig.placement_timeout_s={timeout_s:g}"
+                "placement", f"could not place {what}; gave up after ScalingConfig.placement_timeout_s={configured_s:g}"
             )
         logger.warning("zeroray: still waiting to place %s", what)
 
@@ -157,7 +160,7 @@ class WorkerGroup:
         group = cls(spec.name, pg, hang_timeout_s)
         timeout = spec.placement_timeout_s if placement_timeout_s is None else placement_timeout_s
         try:
-            _wait_for_placement(pg, bundles, spec.placement_strategy, timeout)
+            _wait_for_placement(pg, bundles, spec.placement_strategy, timeout, spec.placement_timeout_s)
             table = placement_group_table(pg)
             bundle_nodes = [table["bundles_to_node_id"][b] for b in range(len(bundles))]
             order, infos = rank_layout(bundle_nodes)
