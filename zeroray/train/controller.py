@@ -84,6 +84,7 @@ class Controller:
         self.states: list[S.StateType] = []  # the path taken, for logs and tests
         self.last_pids: list[int] = []
         self.attempt_history: list[Attempt] = []
+        self._batch: Any = None  # the last group's BatchSizes
         self._t0 = time.time()
         self.history = HistoryCallback()
         metrics_file = MetricsFileCallback(storage)
@@ -176,12 +177,22 @@ class Controller:
             return self._on_failure([failure])
         self.last_pids = self.group.pids
         self._begin_attempt(decision.num_workers, start_step)
-        if decision.batch is not None:
-            b = decision.batch
-            logger.info("zeroray: group of %d: global batch %d = micro %d x accumulation %d x world %d",
-                        decision.num_workers, b.train_batch_size, b.micro_batch_size, b.gradient_accumulation_steps,
-                        decision.num_workers)
+        self._log_batch(decision)
         return S.Running()
+
+    def _log_batch(self, decision: ScalingDecision) -> None:
+        """Say the group's batch arithmetic; a global batch that changed (``elastic_batch='micro'``) is a warning."""
+        b = decision.batch
+        if b is None:
+            return
+        previous, self._batch = self._batch, b
+        logger.info("zeroray: group of %d: global batch %d = micro %d x accumulation %d x world %d",
+                    decision.num_workers, b.train_batch_size, b.micro_batch_size, b.gradient_accumulation_steps,
+                    decision.num_workers)
+        if previous is not None and previous.train_batch_size != b.train_batch_size:
+            logger.warning("zeroray: the global batch changes from %d to %d with the world size (%d workers; "
+                           "ScalingConfig.elastic_batch='micro' keeps micro batch and accumulation instead)",
+                           previous.train_batch_size, b.train_batch_size, decision.num_workers)
 
     def _start_group(self, decision: ScalingDecision) -> tuple[WorkerGroup, ScalingDecision]:
         """Start a group at ``decision``; an elastic group above min that cannot be placed soon is retried at
