@@ -9,6 +9,7 @@ machine); the measured latencies are in benchmarks/elastic_bench.py.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -91,6 +92,9 @@ def test_a_killed_or_hung_rank_is_noticed_and_the_group_restarts(ray_cluster, tm
         assert detected >= HEARTBEAT_TIMEOUT_S - 0.5  # its last answer came up to a poll interval before the stop
     else:
         assert "actor process died" in first.message
+    recorded = json.loads((tmp_path / "runs" / name / "run.json").read_text())["attempt_history"]
+    assert [(a["world_size"], a["end"], a["rank"], a["steps_lost"]) for a in recorded] == [
+        (2, "failure", 1, HOLD_AT - 4), (2, "finished", None, 0)]
     assert_nothing_left(name, [int((control / f"pid-{r}").read_text()) for r in (0, 1)])
 
 
