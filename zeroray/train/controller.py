@@ -257,7 +257,8 @@ class Controller:
         assert self.group is not None
         size = len(self.group.actors)
         self.group.request_recovery_point()
-        deadline = time.monotonic() + max(RECOVERY_POINT_WAIT_S, self.spec.collective_timeout_s)
+        wait_s = max(RECOVERY_POINT_WAIT_S, self.spec.collective_timeout_s)
+        deadline = time.monotonic() + wait_s
         while True:
             status = self.group.poll(timeout_s=POLL_INTERVAL_S)
             for report in status.reports:
@@ -271,7 +272,7 @@ class Controller:
                 return S.Finished()
             if time.monotonic() > deadline:
                 logger.warning("zeroray: the ranks reached no recovery point (zt.report) in %.0fs: resizing from the "
-                               "newest checkpoint", deadline)
+                               "newest checkpoint", wait_s)
                 break
             time.sleep(POLL_INTERVAL_S)
         if status.stopped_at is not None and self.attempt_history:
@@ -305,6 +306,14 @@ class Controller:
             for report in status.reports:
                 self._on_report(report)
             by_rank.update({f.rank: f for f in status.failures})
+        if all(f.secondary for f in by_rank.values()):
+            # No root cause yet: a rank that has not answered since its peers failed is the likely one (its
+            # process or node is gone, and Ray has not said so yet: a lost node waits for its health check).
+            for rank in self.group.silent_since(start - POLL_INTERVAL_S):
+                if rank not in by_rank:
+                    by_rank[rank] = WorkerFailure(
+                        rank, "no answer since its peers' collectives failed: its process or node is likely gone "
+                              "(Ray has not reported it dead yet)", "")
         return list(by_rank.values())
 
     def _on_failure(self, failures: list[Failure]) -> S.ControllerState:

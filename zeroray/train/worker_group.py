@@ -274,6 +274,10 @@ class WorkerGroup:
         info = self.node_infos[rank] if rank < len(self.node_infos) else {}
         return f" (node {info.get('node_id', '?')[:12]}, pid {info.get('pid', '?')})" if info else ""
 
+    def silent_since(self, t: float) -> list[int]:
+        """Ranks (not already failed) whose last answer to a poll is older than ``t`` (``time.monotonic()``)."""
+        return [r for r, last in enumerate(self._last_answer) if r not in self._gone and last < t]
+
     def node_of(self, rank: int | None) -> str | None:
         """The Ray node id the rank ran on."""
         if rank is None or rank >= len(self.node_infos):
