@@ -240,14 +240,12 @@ def chaos(args: argparse.Namespace) -> None:
         cluster.add_node(num_cpus=1)
     ray.init(address=cluster.address)
     events: list[tuple[str, float, int]] = []
+    outcome: dict[str, object] = {}
     try:
         with tempfile.TemporaryDirectory() as tmp:
             control = Path(tmp) / "control"
             control.mkdir()
-            thread = threading.Thread(target=_chaos_schedule, args=(cluster, control, args, events), daemon=True)
-            t_start = time.time()
-            thread.start()
-            result = ZeroTrainer(
+            trainer = ZeroTrainer(
                 _chaos_loop, train_loop_config={"control": str(control)},
                 zero_config={"train_batch_size": GLOBAL_BATCH, "train_micro_batch_size_per_gpu": MICRO,
                              "zero_optimization": {"stage": 2}},
@@ -256,14 +254,29 @@ def chaos(args: argparse.Namespace) -> None:
                 run_config=RunConfig(name="chaos", storage_path=str(Path(tmp) / "runs"), progress_bar=False,
                                      checkpoint_config=CheckpointConfig(async_save=True, num_to_keep=2),
                                      failure_config=FailureConfig(max_failures=-1)),
-            ).fit()
+            )
+
+            def fit() -> None:
+                try:
+                    outcome["result"] = trainer.fit()
+                except BaseException as e:  # reported below
+                    outcome["error"] = e
+                    (control / "stop").write_text("")
+
+            runner = threading.Thread(target=fit, daemon=True)  # nodes are added from the main thread (signals)
+            t_start = time.time()
+            runner.start()
+            _chaos_schedule(cluster, control, args, events)
+            runner.join()
             t_end = time.time()
-            thread.join(timeout=120)
     finally:
         ray.shutdown()
         for node in list(cluster.worker_nodes):
             cluster.remove_node(node, allow_graceful=False)
         cluster.remove_node(cluster.head_node, allow_graceful=False)
+    if "error" in outcome:
+        raise outcome["error"]
+    result = outcome["result"]
     _chaos_report(args, result, events, t_start, t_end)
 
 
