@@ -118,6 +118,7 @@ class RunInfoCallback(ControllerCallback):
         self.info: dict[str, Any] = {"name": storage.name, "status": None, "attempts": 0, "num_workers": None,
                                      "num_reports": 0, "started_at": time.time(), "updated_at": None, "error": None}
         self._last_write = float("-inf")
+        self.attempts: list[Any] = []
 
     def after_state_change(self, previous: S.ControllerState | None, current: S.ControllerState) -> None:
         self.info["status"] = current.type.value
@@ -129,19 +130,10 @@ class RunInfoCallback(ControllerCallback):
         self.write()
 
     def after_attempt_start(self, attempt: Any) -> None:
-        self._attempt(attempt)
+        self.attempts.append(attempt)  # the controller fills it in (last step, end, steps lost); read at each write
 
     def after_attempt_end(self, attempt: Any) -> None:
-        self._attempt(attempt)
         self.write()
-
-    def _attempt(self, attempt: Any) -> None:
-        history = self.info.setdefault("attempt_history", [])
-        row = attempt.as_dict()
-        if history and history[-1]["index"] == attempt.index:
-            history[-1] = row
-        else:
-            history.append(row)
 
     def after_report(self, report: Report, entry: dict[str, Any]) -> None:
         self.info["num_reports"] += 1
@@ -152,6 +144,7 @@ class RunInfoCallback(ControllerCallback):
         self._last_write = time.monotonic()
         self.info["updated_at"] = time.time()
         self.info["metrics_error"] = self.metrics_file.error if self.metrics_file is not None else None
+        self.info["attempt_history"] = [a.as_dict() for a in self.attempts]
         try:
             self.storage.write_run_info(self.info)
         except Exception as e:
