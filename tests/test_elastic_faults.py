@@ -146,3 +146,27 @@ def test_fewer_resources_than_min_fail_after_the_placement_timeout(ray_cluster, 
     assert time.monotonic() - start < 60
     assert [a.end for a in info.value.result.attempt_history] == ["failure"]
     assert_nothing_left("elastic-unplaceable")
+
+
+@ray.remote(num_cpus=0)
+def _waits_for_a_peer(seconds: float) -> None:
+    time.sleep(seconds)  # like a rank's rendezvous waiting for a peer that will never come
+
+
+@ray.remote(num_cpus=0, max_retries=0)
+def _dies() -> None:
+    os._exit(1)  # like a rank whose node is lost during setup
+
+
+def test_a_rank_lost_during_setup_fails_the_start_at_once(ray_cluster):
+    from zeroray.train.worker_group import WorkerGroup, WorkerGroupStartError
+
+    slow = _waits_for_a_peer.remote(90)
+    start = time.monotonic()
+    try:
+        with pytest.raises(WorkerGroupStartError, match="setup failed on rank 1") as info:
+            WorkerGroup("setup-loss", pg=None)._get([slow, _dies.remote()], "setup")
+    finally:
+        ray.cancel(slow, force=True)
+    assert info.value.rank == 1
+    assert time.monotonic() - start < 30  # not after rank 0's wait (90 s here; the collective timeout in a real setup)

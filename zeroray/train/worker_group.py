@@ -203,19 +203,25 @@ class WorkerGroup:
             self.actors.append(actor)
 
     def _get(self, refs: list[Any], what: str) -> list[Any]:
-        """ray.get of one call per rank with the group's timeout, naming the rank that failed."""
+        """The results of one call per rank, within the group's timeout, waiting on all at once: the first call
+        that raises (or whose actor dies) fails the start at once, naming its rank, instead of after the
+        calls of the ranks before it, which may be waiting for it (a rendezvous with a dead rank)."""
         deadline = time.monotonic() + ACTOR_CALL_TIMEOUT_S
-        out = []
-        for rank, ref in enumerate(refs):
-            try:
-                out.append(ray.get(ref, timeout=max(deadline - time.monotonic(), 0.0)))
-            except GetTimeoutError as e:
+        rank_of = {ref: rank for rank, ref in enumerate(refs)}
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(deadline - time.monotonic(), 0.0))
+            if not ready:
+                late = sorted(rank_of[r] for r in pending)
                 raise WorkerGroupStartError(
-                    what, f"{what} did not finish in {ACTOR_CALL_TIMEOUT_S:.0f}s on rank {rank}", rank
-                ) from e
+                    what, f"{what} did not finish in {ACTOR_CALL_TIMEOUT_S:.0f}s on rank(s) {late}", late[0]
+                )
+            try:
+                ray.get(ready[0])
             except Exception as e:  # the call raised, or the actor died
+                rank = rank_of[ready[0]]
                 raise WorkerGroupStartError(what, f"{what} failed on rank {rank}: {type(e).__name__}: {e}", rank) from e
-        return out
+        return ray.get(list(refs))
 
     # ------------------------------------------------------------------ running
     def poll(self, timeout_s: float = 0.1) -> PollStatus:
