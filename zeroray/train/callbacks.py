@@ -32,6 +32,13 @@ class ControllerCallback:
     def after_report(self, report: Report, entry: dict[str, Any]) -> None:
         """A report of the group arrived; ``entry`` is its row of the metrics history."""
 
+    def after_attempt_start(self, attempt: Any) -> None:
+        """A group started (``zeroray.train.result.Attempt``: index, world size, the step it resumes from)."""
+
+    def after_attempt_end(self, attempt: Any) -> None:
+        """A group ended; ``attempt.end`` says why: "finished", "failure" (``rank``, ``node``),
+        "resize_up" / "resize_down" (a planned resize), "aborted", "errored"."""
+
 
 class ReportCallback:
     """Hooks of one rank's ``zt.report``, run in the rank's process after the barrier."""
@@ -111,6 +118,7 @@ class RunInfoCallback(ControllerCallback):
         self.info: dict[str, Any] = {"name": storage.name, "status": None, "attempts": 0, "num_workers": None,
                                      "num_reports": 0, "started_at": time.time(), "updated_at": None, "error": None}
         self._last_write = float("-inf")
+        self.attempts: list[Any] = []
 
     def after_state_change(self, previous: S.ControllerState | None, current: S.ControllerState) -> None:
         self.info["status"] = current.type.value
@@ -119,6 +127,12 @@ class RunInfoCallback(ControllerCallback):
             self.info["num_workers"] = current.decision.num_workers
         if isinstance(current, S.Errored):
             self.info["error"] = str(current.error)
+        self.write()
+
+    def after_attempt_start(self, attempt: Any) -> None:
+        self.attempts.append(attempt)  # the controller fills it in (last step, end, steps lost); read at each write
+
+    def after_attempt_end(self, attempt: Any) -> None:
         self.write()
 
     def after_report(self, report: Report, entry: dict[str, Any]) -> None:
@@ -130,6 +144,7 @@ class RunInfoCallback(ControllerCallback):
         self._last_write = time.monotonic()
         self.info["updated_at"] = time.time()
         self.info["metrics_error"] = self.metrics_file.error if self.metrics_file is not None else None
+        self.info["attempt_history"] = [a.as_dict() for a in self.attempts]
         try:
             self.storage.write_run_info(self.info)
         except Exception as e:

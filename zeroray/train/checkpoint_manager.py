@@ -54,7 +54,18 @@ def resume(session: Session) -> bool:
     if url is not None:
         wait(session)  # an async save of an earlier engine of this loop must not race the read
         zc.load(session.engine, url, storage_options=options)
+        if session.elastic:
+            _realign_accumulation(session.engine)
+        session.last_saved_step = session.engine.global_step
     return url is not None
+
+
+def _realign_accumulation(engine: Any) -> None:
+    """A checkpoint saved at another world size counted micro-steps with that size's accumulation; the engine
+    restores that count as it is, so the next optimizer step would come after the wrong number of
+    micro-batches. Partial accumulations are not saved, so the run resumes at the step's first micro-batch.
+    (The engine's own load should do this once it records the accumulation in the checkpoint.)"""
+    engine.micro_step = engine.global_step * engine.gradient_accumulation_steps
 
 
 def require_engine(session: Session) -> None:
@@ -72,6 +83,7 @@ def save(session: Session) -> None:
     commit."""
     engine, cfg = session.engine, session.checkpoint_config
     url = zc.checkpoint_url(session.context.trial_dir, engine.global_step)
+    session.last_saved_step = engine.global_step
     options = {"storage_options": session.storage_options, "num_to_keep": cfg.num_to_keep}
     if not cfg.async_save:
         wait(session)  # a sync save after an async one: one save in flight at a time

@@ -24,24 +24,82 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+ElasticBatch = Literal["global", "micro"]
+
+
 @dataclass
 class ScalingConfig:
     """How many ranks, and what each rank's actor holds (one bundle of the placement group per rank).
+
+    ``num_workers``: an int is a fixed size; ``(min, max)`` makes the run elastic (Ray Train V2's
+    name and meaning): the group starts with as many workers as the cluster holds, at most ``max``,
+    shrinks (to at least ``min``) when a rank or node is lost instead of waiting for it, and grows
+    when resources appear, checked every ``elastic_resize_monitor_interval_s`` while it runs (V2's
+    name; a planned resize first saves a checkpoint, so it loses no step).
+
+    ``elastic_batch`` says what a resize keeps. "global" (default): ``train_batch_size`` stays the
+    same and ``gradient_accumulation_steps`` becomes train ÷ (micro x world); only world sizes where
+    that division is exact are used (the largest such size that fits, as DeepSpeed's elasticity
+    does), so a resized run takes the same optimizer steps on the same samples as a fixed one.
+    "micro": the micro batch and the accumulation stay, so the global batch changes with the world
+    size (logged at every resize).
 
     ``resources_per_worker`` overrides the defaults (1 CPU, plus 1 GPU when ``use_gpu``); keys are Ray
     resource names. ``placement_timeout_s`` bounds the wait for the placement group (None = wait,
     logging what is missing, as long as the cluster could ever hold it).
     """
 
-    num_workers: int = 1
+    num_workers: int | tuple[int, int] = 1
     use_gpu: bool = False
     resources_per_worker: dict[str, float] | None = None
     placement_strategy: PlacementStrategy = "PACK"
     placement_timeout_s: float | None = None
+    elastic_resize_monitor_interval_s: float = 60.0
+    elastic_batch: ElasticBatch = "global"
 
     def __post_init__(self) -> None:
-        if not _is_int(self.num_workers) or self.num_workers < 1:
-            raise ValueError(f"ScalingConfig.num_workers must be a positive integer, got {self.num_workers!r}")
+        if isinstance(self.num_workers, list):
+            self.num_workers = tuple(self.num_workers)
+        if isinstance(self.num_workers, tuple):
+            if len(self.num_workers) != 2 or not all(_is_int(n) for n in self.num_workers):
+                raise ValueError(
+                    f"ScalingConfig.num_workers must be an integer or a (min, max) pair of integers, "
+                    f"got {self.num_workers!r}"
+                )
+            lo, hi = self.num_workers
+            if lo < 1:
+                raise ValueError(f"ScalingConfig.num_workers=(min, max): min must be >= 1, got {self.num_workers!r}")
+            if lo > hi:
+                raise ValueError(
+                    f"ScalingConfig.num_workers=(min, max): min ({lo}) must be <= max ({hi}), got {self.num_workers!r}"
+                )
+        elif not _is_int(self.num_workers) or self.num_workers < 1:
+            raise ValueError(
+                f"ScalingConfig.num_workers must be a positive integer or a (min, max) pair, got {self.num_workers!r}"
+            )
+        if not _is_number(self.elastic_resize_monitor_interval_s) or self.elastic_resize_monitor_interval_s < 0:
+            raise ValueError(
+                f"ScalingConfig.elastic_resize_monitor_interval_s must be a number of seconds >= 0, "
+                f"got {self.elastic_resize_monitor_interval_s!r}"
+            )
+        if self.elastic_batch not in ("global", "micro"):
+            raise ValueError(f"ScalingConfig.elastic_batch must be 'global' or 'micro', got {self.elastic_batch!r}")
+        self._check_rest()
+
+    @property
+    def min_workers(self) -> int:
+        return self.num_workers[0] if isinstance(self.num_workers, tuple) else self.num_workers
+
+    @property
+    def max_workers(self) -> int:
+        return self.num_workers[1] if isinstance(self.num_workers, tuple) else self.num_workers
+
+    @property
+    def elasticity_enabled(self) -> bool:
+        """Ray Train V2's name: the size may change while the run goes on."""
+        return isinstance(self.num_workers, tuple)
+
+    def _check_rest(self) -> None:
         if not isinstance(self.use_gpu, bool):
             raise ValueError(f"ScalingConfig.use_gpu must be True or False, got {self.use_gpu!r}")
         if self.placement_strategy not in _STRATEGIES:
@@ -100,10 +158,17 @@ class FailureConfig:
     step or one rank's checkpoint shard upload at ordinary sizes, and far below torch's 30 minutes;
     raise it when ranks legitimately wait longer for each other (e.g. rank 0 alone evaluating or
     downloading data between two collectives, or steps of minutes on offloaded models).
+
+    ``worker_heartbeat_timeout_s``: the driver polls every rank about ten times a second; the loop runs
+    in a thread, so a healthy rank answers even inside a long step or collective. A rank that has not
+    answered for this long (its process SIGSTOPped, or stuck in native code that holds the GIL) is a
+    failure, handled like a dead one. Together with the collective timeout (a rank waiting on a hung
+    peer) this catches a hung rank within about a minute instead of torch's 30.
     """
 
     max_failures: int = 0
     collective_timeout_s: float = 60.0
+    worker_heartbeat_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_failures) or self.max_failures < -1:
@@ -111,11 +176,10 @@ class FailureConfig:
                 f"FailureConfig.max_failures must be an integer >= 0, or -1 for unlimited, "
                 f"got {self.max_failures!r}"
             )
-        if not _is_number(self.collective_timeout_s) or not self.collective_timeout_s > 0:
-            raise ValueError(
-                f"FailureConfig.collective_timeout_s must be a number of seconds > 0, "
-                f"got {self.collective_timeout_s!r}"
-            )
+        for name in ("collective_timeout_s", "worker_heartbeat_timeout_s"):
+            value = getattr(self, name)
+            if not _is_number(value) or not value > 0:
+                raise ValueError(f"FailureConfig.{name} must be a number of seconds > 0, got {value!r}")
 
 
 @dataclass

@@ -6,6 +6,9 @@ before it runs the user's loop, like ``ray.train.get_context()``.
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
 import queue
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +39,7 @@ class TrainContext:
     storage_path: str
     device: torch.device
     trial_dir: str = ""
+    batch: Any = None  # scaling_policy.BatchSizes of this group, when the batch sizes are known
 
     def get_world_size(self) -> int:
         return self.rank_info.world_size
@@ -62,6 +66,27 @@ class TrainContext:
         """The run's directory URL, ``<storage_path>/<name>``."""
         return self.trial_dir
 
+    def sample_indices(self, step: int, micro_step: int = 0) -> range:
+        """The global sample indices this rank trains on in optimizer step ``step`` (0-based, i.e.
+        ``engine.global_step`` before the step), micro-batch ``micro_step`` of its accumulation.
+
+        Step ``s`` always covers samples ``[s*B, (s+1)*B)`` of the global batch ``B``, whatever the world
+        size: each rank takes a contiguous ``B / world`` of them, micro-batch by micro-batch. So a run
+        that is resized (same global batch, ``ScalingConfig.elastic_batch='global'``) sees the same
+        samples in the same steps as a fixed-size run; index a map-style dataset with it.
+        """
+        b = self.batch
+        if b is None:
+            raise RuntimeError(
+                "zt.get_context().sample_indices needs the batch sizes: set train_batch_size and/or "
+                "train_micro_batch_size_per_gpu in the ZeroConfig"
+            )
+        if not 0 <= micro_step < b.gradient_accumulation_steps:
+            raise ValueError(f"micro_step must be in [0, {b.gradient_accumulation_steps}), got {micro_step}")
+        per_rank = b.micro_batch_size * b.gradient_accumulation_steps
+        start = step * b.train_batch_size + self.get_world_rank() * per_rank + micro_step * b.micro_batch_size
+        return range(start, start + b.micro_batch_size)
+
 
 @dataclass
 class Session:
@@ -84,10 +109,15 @@ class Session:
     last_report_time: float | None = None
     last_global_step: int = 0
     checkpoint_saver: Any = None  # the rank's zeroray.checkpoint.AsyncSaver, from its first async save
+    elastic: bool = False  # the ranks agree at each report whether to stop at a recovery point
+    stop_requested: bool = False  # the driver asked for a recovery point (a planned resize)
+    last_saved_step: int | None = None  # global step of this engine's newest save
 
     @property
     def zero_config(self) -> Any:
-        return self.spec.zero_config
+        """The trainer's config, with this group's batch sizes when the run is elastic (the accumulation
+        follows the world size)."""
+        return with_batch(self.spec.zero_config, self.context.batch)
 
     @property
     def storage_options(self) -> dict[str, Any] | None:
@@ -97,6 +127,23 @@ class Session:
     @property
     def checkpoint_config(self) -> CheckpointConfig:
         return self.spec.checkpoint_config
+
+
+def with_batch(config: Any, batch: Any) -> Any:
+    """``config`` (a ZeroConfig, a DeepSpeed dict or JSON path, or None) with ``batch``'s sizes set."""
+    if batch is None:
+        return config
+    sizes = batch.as_zero_config()
+    from zeroray.config import ZeroConfig
+
+    if config is None:
+        return ZeroConfig(**sizes)
+    if isinstance(config, ZeroConfig):
+        return dataclasses.replace(config, **sizes)
+    if isinstance(config, (str, os.PathLike)):
+        with open(config) as f:
+            config = json.load(f)
+    return {**config, **sizes}
 
 
 _SESSION: Session | None = None

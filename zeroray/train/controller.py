@@ -6,8 +6,17 @@ every side effect (history, progress, metrics.jsonl, run.json; callbacks.py); re
 callbacks. Policies decide, the controller acts: the scaling policy says how big the next group is and,
 while RUNNING, whether to resize; the failure policy whether a failure restarts the group. A
 (re)started group resumes from the run's newest committed checkpoint by itself (``zt.prepare``); the
-controller reads storage only to log it and to fill ``Result.checkpoint``. It lives in the driver
-process, so Ctrl-C reaches it directly and tears the group down.
+controller reads storage only to log it, to record where each attempt starts and to fill
+``Result.checkpoint``. It lives in the driver process, so Ctrl-C reaches it directly and tears the
+group down.
+
+Elastic runs (``ScalingConfig(num_workers=(min, max))``): RESTARTING asks the policy for the size the
+cluster holds now (a lost node shrinks the group instead of being waited for); RUNNING asks it every
+``elastic_resize_monitor_interval_s`` and a different answer is a planned resize: RESIZING asks the
+ranks for a recovery point (they save and stop at their next report, recovery_point.py), tears the
+group down and schedules the new size, which resumes from that checkpoint with no step lost. A group
+that cannot be placed at the size the nodes' capacity promised (a dead node Ray still lists, resources
+someone else holds) is retried at the size that is free then.
 """
 
 from __future__ import annotations
@@ -32,9 +41,9 @@ from zeroray.train.failure_policy import FailureDecision, FailurePolicy
 from zeroray.train.lease import RunLease
 from zeroray.train.progress import Progress
 from zeroray.train.report import Report
-from zeroray.train.result import Result
+from zeroray.train.result import Attempt, Result
 from zeroray.train.run_spec import RunSpec
-from zeroray.train.scaling_policy import ScalingPolicy
+from zeroray.train.scaling_policy import ScalingDecision, ScalingPolicy
 from zeroray.train.storage import RunStorage
 from zeroray.train.worker_group import WorkerGroup, WorkerGroupStartError
 
@@ -45,6 +54,11 @@ FAILURE_GRACE_S = 3.0  # how long to wait for the root-cause failure after a pee
 # After a collective timeout, the ranks still waiting in theirs time out within the collective timeout: wait for
 # them (up to this cap), so the error says where every rank was.
 TIMEOUT_GRACE_CAP_S = 60.0
+# An elastic group that is not placed this soon is retried at the size the free resources hold now.
+ELASTIC_PLACEMENT_RETRY_S = 5.0
+# How long a planned resize waits for the ranks to reach a recovery point (their next zt.report) before it
+# resizes from the newest checkpoint anyway.
+RECOVERY_POINT_WAIT_S = 120.0
 
 
 class Controller:
@@ -69,6 +83,8 @@ class Controller:
         self.state: S.ControllerState | None = None
         self.states: list[S.StateType] = []  # the path taken, for logs and tests
         self.last_pids: list[int] = []
+        self.attempt_history: list[Attempt] = []
+        self._batch: Any = None  # the last group's BatchSizes
         self._t0 = time.time()
         self.history = HistoryCallback()
         metrics_file = MetricsFileCallback(storage)
@@ -92,10 +108,12 @@ class Controller:
                 self._set_state(following)
         except KeyboardInterrupt:
             self._shutdown_group()
+            self._end_attempt("aborted")
             self._set_state(S.Aborted())
             raise
         except Exception as e:  # the driver's own error: still end ERRORED in run.json, then raise it
             self._shutdown_group()
+            self._end_attempt("errored", message=f"{type(e).__name__}: {e}")
             logger.error("zeroray: the controller failed:\n%s", traceback.format_exc())
             self._set_state(S.Errored(e))
             raise
@@ -124,8 +142,7 @@ class Controller:
             self._shutdown_group()
             return S.Scheduling(self.scaling_policy.decide_for_new_group())
         if isinstance(state, S.Resizing):
-            self._shutdown_group()
-            return S.Scheduling(state.decision)
+            return self._resize(state)
         raise AssertionError(f"no handler for {state}")
 
     # ------------------------------------------------------------------ handlers
@@ -146,21 +163,64 @@ class Controller:
 
     def _schedule(self, state: S.Scheduling) -> S.ControllerState:
         self.attempt += 1
+        start_step = self._resume_step()
+        decision = state.decision
         try:
-            self.group = WorkerGroup.start(
-                spec=self.spec,
-                decision=state.decision,
-                per_rank_datasets=self._split_datasets(state.decision.num_workers),
-            )
+            self.group, decision = self._start_group(decision)
         except WorkerGroupStartError as e:
             tb = traceback.format_exc()
             if e.rank is None:
                 failure: Failure = StartFailure(e.what, str(e), tb)
             else:
                 failure = WorkerFailure(e.rank, str(e), tb)
+            self._begin_attempt(decision.num_workers, start_step)
             return self._on_failure([failure])
         self.last_pids = self.group.pids
+        self._begin_attempt(decision.num_workers, start_step)
+        self._log_batch(decision)
         return S.Running()
+
+    def _log_batch(self, decision: ScalingDecision) -> None:
+        """Say the group's batch arithmetic; a global batch that changed (``elastic_batch='micro'``) is a warning."""
+        b = decision.batch
+        if b is None:
+            return
+        previous, self._batch = self._batch, b
+        logger.info("zeroray: group of %d: global batch %d = micro %d x accumulation %d x world %d",
+                    decision.num_workers, b.train_batch_size, b.micro_batch_size, b.gradient_accumulation_steps,
+                    decision.num_workers)
+        if previous is not None and previous.train_batch_size != b.train_batch_size:
+            logger.warning("zeroray: the global batch changes from %d to %d with the world size (%d workers; "
+                           "ScalingConfig.elastic_batch='micro' keeps micro batch and accumulation instead)",
+                           previous.train_batch_size, b.train_batch_size, decision.num_workers)
+
+    def _start_group(self, decision: ScalingDecision) -> tuple[WorkerGroup, ScalingDecision]:
+        """Start a group at ``decision``; an elastic group above min that cannot be placed soon is retried at
+        the size the free resources hold (the overall wait is still ``placement_timeout_s``)."""
+        policy, overall = self.scaling_policy, self.spec.placement_timeout_s
+        start = time.monotonic()
+        while True:
+            remaining = None if overall is None else max(overall - (time.monotonic() - start), 1e-3)
+            window = remaining
+            if policy.elastic and decision.num_workers > policy.scaling_config.min_workers:
+                # leave time for a smaller size within placement_timeout_s
+                window = ELASTIC_PLACEMENT_RETRY_S if remaining is None else min(ELASTIC_PLACEMENT_RETRY_S, remaining / 2)
+            try:
+                group = WorkerGroup.start(
+                    spec=self.spec,
+                    decision=decision,
+                    per_rank_datasets=self._split_datasets(decision.num_workers),
+                    placement_timeout_s=window,
+                    hang_timeout_s=self.failure_policy.heartbeat_timeout_s,
+                )
+                return group, decision
+            except WorkerGroupStartError as e:
+                if e.what != "placement" or window == remaining:
+                    raise
+                smaller = policy.decide_for_new_group(settled=True)
+                logger.warning("zeroray: a group of %d could not be placed in %gs; trying %d (what is free now)",
+                               decision.num_workers, window, smaller.num_workers)
+                decision = smaller
 
     def _split_datasets(self, num_workers: int) -> Callable[[list[str]], list[dict[str, Any]]]:
         def split(node_ids: list[str]) -> list[dict[str, Any]]:
@@ -174,22 +234,57 @@ class Controller:
 
     def _poll(self) -> S.ControllerState:
         assert self.group is not None
-        status = self.group.poll()
+        t = time.monotonic()
+        status = self.group.poll(timeout_s=POLL_INTERVAL_S)
         for report in status.reports:
             self._on_report(report)
         if status.failures:
             return self._on_failure(self._collect_failures(status.failures))
         if status.finished:
+            self._end_attempt("finished")
             return S.Finished()
         if self.lease is not None and self.lease.lost:
             return self._errored([StartFailure("lease", self.lease.lost)])
         resize = self.scaling_policy.decide_while_running(len(self.group.actors))
         if resize is not None:
             return S.Resizing(resize)
-        time.sleep(POLL_INTERVAL_S)
+        time.sleep(max(POLL_INTERVAL_S - (time.monotonic() - t), 0.0))
         return S.Running()
 
+    def _resize(self, state: S.Resizing) -> S.ControllerState:
+        """A planned resize: a recovery point first (the ranks save and stop at their next report), then the
+        new group at the new size, which resumes from it."""
+        assert self.group is not None
+        size = len(self.group.actors)
+        self.group.request_recovery_point()
+        wait_s = max(RECOVERY_POINT_WAIT_S, self.spec.collective_timeout_s)
+        deadline = time.monotonic() + wait_s
+        while True:
+            status = self.group.poll(timeout_s=POLL_INTERVAL_S)
+            for report in status.reports:
+                self._on_report(report)
+            if status.failures:
+                return self._on_failure(self._collect_failures(status.failures))
+            if status.all_stopped:
+                break
+            if status.finished:
+                self._end_attempt("finished")
+                return S.Finished()
+            if time.monotonic() > deadline:
+                logger.warning("zeroray: the ranks reached no recovery point (zt.report) in %.0fs: resizing from the "
+                               "newest checkpoint", wait_s)
+                break
+            time.sleep(POLL_INTERVAL_S)
+        if status.stopped_at is not None and self.attempt_history:
+            self.attempt_history[-1].last_step = status.stopped_at
+        self._end_attempt("resize_up" if state.decision.num_workers > size else "resize_down",
+                          message=f"resized from {size} to {state.decision.num_workers} workers")
+        self._shutdown_group()
+        return S.Scheduling(state.decision)
+
     def _on_report(self, report: Report) -> None:
+        if self.attempt_history and report.ranks and report.ranks[0].global_step is not None:
+            self.attempt_history[-1].last_step = report.ranks[0].global_step
         entry = report.history_entry(self._t0, self.attempt)
         for callback in self.callbacks:
             callback.after_report(report, entry)
@@ -211,9 +306,21 @@ class Controller:
             for report in status.reports:
                 self._on_report(report)
             by_rank.update({f.rank: f for f in status.failures})
+        if all(f.secondary for f in by_rank.values()):
+            # No root cause yet: a rank that has not answered since its peers failed is the likely one (its
+            # process or node is gone, and Ray has not said so yet: a lost node waits for its health check).
+            for rank in self.group.silent_since(start - POLL_INTERVAL_S):
+                if rank not in by_rank:
+                    by_rank[rank] = WorkerFailure(
+                        rank, "no answer since its peers' collectives failed: its process or node is likely gone "
+                              "(Ray has not reported it dead yet)", "")
         return list(by_rank.values())
 
     def _on_failure(self, failures: list[Failure]) -> S.ControllerState:
+        first = next((f for f in failures if not getattr(f, "secondary", False)), failures[0])
+        rank = getattr(first, "rank", None)
+        node = self.group.node_of(rank) if self.group is not None else None
+        self._end_attempt("failure", rank=rank, node=node, message=str(first).splitlines()[0])
         decision = self.failure_policy.decide(failures)
         if decision is FailureDecision.RESTART:
             latest = self._latest_checkpoint()
@@ -236,6 +343,33 @@ class Controller:
             group, self.group = self.group, None
             group.shutdown(graceful=False)
 
+    def _begin_attempt(self, world_size: int, start_step: int) -> None:
+        if self.attempt_history:
+            previous = self.attempt_history[-1]
+            reached = previous.last_step if previous.last_step is not None else previous.start_step
+            previous.steps_lost = max(reached - start_step, 0)
+        attempt = Attempt(index=self.attempt, world_size=world_size, start_step=start_step, started_at=time.time())
+        self.attempt_history.append(attempt)
+        for callback in self.callbacks:
+            callback.after_attempt_start(attempt)
+
+    def _end_attempt(self, end: str, rank: int | None = None, node: str | None = None,
+                     message: str | None = None) -> None:
+        if not self.attempt_history or self.attempt_history[-1].end is not None:
+            return
+        attempt = self.attempt_history[-1]
+        attempt.end, attempt.rank, attempt.node, attempt.message = end, rank, node, message
+        attempt.ended_at = time.time()
+        if end == "finished":
+            attempt.steps_lost = 0
+        for callback in self.callbacks:
+            callback.after_attempt_end(attempt)
+
+    def _resume_step(self) -> int:
+        """The step a new group resumes from: the newest committed checkpoint's (0: none)."""
+        latest = self._latest_checkpoint()
+        return latest.step if latest is not None else 0
+
     def _latest_checkpoint(self) -> Any:
         """The newest committed checkpoint on storage; a listing that fails is logged, never fails the run."""
         try:
@@ -253,4 +387,5 @@ class Controller:
             checkpoint=self._latest_checkpoint(),
             error=error,
             attempts=self.attempt,
+            attempt_history=list(self.attempt_history),
         )

@@ -23,6 +23,7 @@ class FailurePolicy:
 
     def __init__(self, failure_config: FailureConfig) -> None:
         self.max_failures = failure_config.max_failures
+        self.heartbeat_timeout_s = failure_config.worker_heartbeat_timeout_s  # the worker group's watchdog
         self.num_failures = 0
 
     def decide(self, failures: list[WorkerFailure]) -> FailureDecision:

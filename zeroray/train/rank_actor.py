@@ -19,6 +19,7 @@ from zeroray.engine import Comm
 from zeroray.train import checkpoint_manager, rendezvous
 from zeroray.train.context import RankInfo, Session, TrainContext, set_session
 from zeroray.train.errors import WorkerFailure, is_collective_error, is_collective_timeout
+from zeroray.train.recovery_point import RecoveryPointReached
 from zeroray.train.run_spec import RunSpec
 
 
@@ -47,6 +48,8 @@ class RankActor:
         self.thread: threading.Thread | None = None
         self.failure: WorkerFailure | None = None
         self.done = False
+        self.stopped_at: int | None = None  # the step of the recovery point the loop stopped at
+        self.stopped = False
         _log_info_to_stderr()
 
     def __repr__(self) -> str:  # Ray prefixes the actor's log lines with this
@@ -64,8 +67,10 @@ class RankActor:
         """Rank 0 publishes where the group meets."""
         return rendezvous.node_address(), rendezvous.free_port()
 
-    def setup(self, master_addr: str, master_port: int, spec: RunSpec, dataset_shards: dict[str, Any]) -> None:
-        """Join the process group and build this rank's session."""
+    def setup(self, master_addr: str, master_port: int, spec: RunSpec, dataset_shards: dict[str, Any],
+              batch: Any = None, elastic: bool = False) -> None:
+        """Join the process group and build this rank's session. ``batch``: this group's BatchSizes (elastic
+        runs); ``elastic``: agree on recovery points at each report."""
         device = torch.device("cuda", 0) if self.use_gpu else torch.device("cpu")
         if self.use_gpu:
             torch.cuda.set_device(device)  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU(s)
@@ -79,8 +84,13 @@ class RankActor:
             callbacks.append(RankMetrics(spec.name, self.info.world_rank))
         except Exception:  # no metrics agent (e.g. a minimal cluster): training does not depend on it
             pass
-        ctx = TrainContext(self.info, spec.name, spec.storage_path, device, spec.run_url)
-        self.session = Session(ctx, spec, dataset_shards, Comm(report_group), report_callbacks=callbacks)
+        ctx = TrainContext(self.info, spec.name, spec.storage_path, device, spec.run_url, batch=batch)
+        self.session = Session(ctx, spec, dataset_shards, Comm(report_group), report_callbacks=callbacks,
+                               elastic=elastic)
+        if elastic:
+            from zeroray.train.recovery_point import RecoveryPointCallback
+
+            callbacks.append(RecoveryPointCallback(self.session))  # last: it may end the loop
         set_session(self.session)
 
     # ------------------------------------------------------------------ the loop
@@ -101,6 +111,8 @@ class RankActor:
             session.spec.run_loop()
             checkpoint_manager.wait(session)  # join an async save (rank 0: committed) before "done"
             finish(session)
+        except RecoveryPointReached as e:
+            self.stopped_at, self.stopped = e.step, True
         except BaseException as e:  # noqa: B036 - SystemExit in a loop is a failure too
             self.failure = WorkerFailure(
                 rank=self.info.world_rank,
@@ -122,7 +134,13 @@ class RankActor:
             q = self.session.reports
             while not q.empty():
                 reports.append(q.get_nowait())
-        return {"reports": reports, "done": done, "failure": failure}
+        return {"reports": reports, "done": done, "failure": failure, "stopped": self.stopped and done,
+                "stopped_at": self.stopped_at}
+
+    def request_recovery_point(self) -> None:
+        """A planned resize: stop the loop at the next report, after saving the engine (recovery_point.py)."""
+        if self.session is not None:
+            self.session.stop_requested = True
 
     def shutdown(self) -> None:
         """Leave the process group when the loop is not stuck in a collective (else the actor is killed)."""

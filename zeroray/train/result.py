@@ -2,11 +2,40 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from zeroray.train.checkpoint_manager import Checkpoint
 from zeroray.train.report import RankStats
+
+
+@dataclass
+class Attempt:
+    """One group of the run, from its start to its end (``Result.attempt_history``, ``run.json``).
+
+    ``world_size``: its ranks; ``start_step``: the global step it resumed from (the newest committed
+    checkpoint when it started; 0 = from scratch); ``last_step``: the global step of its last report
+    (None: it reported nothing); ``end``: "finished", "failure", "resize_up", "resize_down",
+    "aborted" or "errored" (the driver's own error), None while it runs; ``rank`` / ``node``: the rank
+    that failed first-hand and its Ray node id (failures only); ``steps_lost``: the steps the next
+    attempt redid (``last_step`` - the next ``start_step``; 0 for a planned resize). Times are
+    ``time.time()``: ``ended_at`` is when the driver noticed the end.
+    """
+
+    index: int
+    world_size: int
+    start_step: int
+    started_at: float
+    last_step: int | None = None
+    end: str | None = None
+    rank: int | None = None
+    node: str | None = None
+    message: str | None = None
+    ended_at: float | None = None
+    steps_lost: int | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
 
 
 @dataclass
@@ -15,7 +44,8 @@ class Result:
     ``_report``, ``_time_s`` and ``_ranks`` (per-rank step time and memory); ``path``: the run's
     directory URL; ``checkpoint``: the run's newest committed checkpoint on storage, a
     ``zeroray.train.Checkpoint`` (``.path`` URL, ``.step``), or None; ``error``: the
-    TrainingFailedError when the run failed."""
+    TrainingFailedError when the run failed; ``attempts``: how many groups ran; ``attempt_history``:
+    each group's :class:`Attempt` (size, steps, why it ended)."""
 
     metrics: dict[str, Any] | None
     metrics_history: list[dict[str, Any]]
@@ -23,6 +53,7 @@ class Result:
     checkpoint: Checkpoint | None = None
     error: BaseException | None = None
     attempts: int = 1
+    attempt_history: list[Attempt] = field(default_factory=list)
 
     @property
     def metrics_dataframe(self) -> Any:

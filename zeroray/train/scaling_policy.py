@@ -1,24 +1,144 @@
-"""Scaling policy: how many ranks the next group gets, and with what resources.
+"""Scaling policy: how many ranks the next group gets, with what batch arithmetic, and when to resize.
 
-Only the fixed policy exists now. An elastic policy (between a min and a max number of workers) plugs
-in here: ``decide_for_new_group`` may return fewer workers after a failure, and
-``decide_while_running`` may ask the controller to resize a healthy group.
+``FixedScalingPolicy`` always answers ``num_workers``. ``ElasticScalingPolicy`` (``num_workers=(min,
+max)``, after Ray Train V2's) counts the workers the cluster's live nodes can hold, takes the largest
+*feasible* size (one the batch rule allows, :class:`BatchPlan`) between min and max, and while the
+group runs asks again every ``elastic_resize_monitor_interval_s``: the controller resizes when the
+answer differs. A failed group is restarted at whatever is there now (shrinking instead of waiting
+for a lost node), a grown cluster is used at the next check.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Any
 
 from zeroray.train.config import ScalingConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BatchSizes:
+    """The batch arithmetic of one group: train = micro x accumulation x world."""
+
+    train_batch_size: int
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+
+    def as_zero_config(self) -> dict[str, int]:
+        """The ZeroConfig fields (also the DeepSpeed JSON keys) these sizes set."""
+        return {
+            "train_batch_size": self.train_batch_size,
+            "train_micro_batch_size_per_gpu": self.micro_batch_size,
+            "gradient_accumulation_steps": self.gradient_accumulation_steps,
+        }
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """What a resize keeps (``ScalingConfig.elastic_batch``), from the batch sizes the user gave.
+
+    ``keep="global"``: ``train_batch_size`` stays and the accumulation (or, when no micro batch was
+    given, the micro batch) is recomputed; only world sizes where that is exact are feasible.
+    ``keep="micro"``: micro batch and accumulation stay, the global batch follows the world size.
+    ``keep="none"``: no batch size was given (the loop batches as it likes) or the size is fixed:
+    every size is feasible and the ranks get the config as it is.
+    """
+
+    keep: str
+    train_batch_size: int | None = None
+    micro_batch_size: int | None = None
+    gradient_accumulation_steps: int | None = None
+
+    @classmethod
+    def from_config(cls, zero_config: Any, scaling: ScalingConfig) -> BatchPlan:
+        """``zero_config``: the checked ZeroConfig (``load_config(..., defer=True)``). Raises ValueError when
+        the rule cannot hold (a global batch that no size between min and max keeps exact)."""
+        tb = zero_config.train_batch_size
+        mb = zero_config.train_micro_batch_size_per_gpu
+        gas = zero_config.gradient_accumulation_steps
+        if not scaling.elasticity_enabled or (tb is None and mb is None):
+            plan = cls("none")
+        elif scaling.elastic_batch == "global":
+            if tb is None:
+                raise ValueError(
+                    "ScalingConfig(elastic_batch='global') keeps train_batch_size constant across resizes, but the "
+                    "ZeroConfig sets only the micro batch: set train_batch_size, or elastic_batch='micro' to let "
+                    "the global batch follow the world size"
+                )
+            # With a micro batch, the accumulation is what a resize recomputes; without, the micro batch.
+            plan = cls("global", tb, mb, None if mb is not None else (gas or 1))
+        else:
+            if mb is None:
+                raise ValueError(
+                    "ScalingConfig(elastic_batch='micro') keeps the micro batch across resizes, but the ZeroConfig "
+                    "sets only train_batch_size: set train_micro_batch_size_per_gpu"
+                )
+            if gas is None:
+                gas = 1 if tb is None else tb // (mb * scaling.max_workers)
+                if tb is not None and (gas < 1 or tb % (mb * scaling.max_workers)):
+                    raise ValueError(
+                        f"ScalingConfig(elastic_batch='micro'): train_batch_size ({tb}) is not micro "
+                        f"({mb}) x accumulation x max_workers ({scaling.max_workers}); set gradient_accumulation_steps"
+                    )
+            plan = cls("micro", None, mb, gas)
+        feasible = [w for w in range(scaling.min_workers, scaling.max_workers + 1) if plan.feasible(w)]
+        if not feasible:
+            raise ValueError(
+                f"no world size between min_workers={scaling.min_workers} and max_workers={scaling.max_workers} keeps "
+                f"the global batch: train_batch_size={tb} must be divisible by "
+                f"{'train_micro_batch_size_per_gpu=' + str(mb) if mb else 'gradient_accumulation_steps=' + str(gas or 1)}"
+                f" x world size for at least one of them (ScalingConfig.elastic_batch='global')"
+            )
+        return plan
+
+    def for_world(self, world_size: int) -> BatchSizes | None:
+        """The sizes at ``world_size`` (None: the ranks keep the config as given). Raises ValueError when the
+        size is not feasible."""
+        w = world_size
+        if self.keep == "none":
+            return None
+        if self.keep == "micro":
+            mb, gas = self.micro_batch_size, self.gradient_accumulation_steps
+            return BatchSizes(mb * gas * w, mb, gas)
+        tb = self.train_batch_size
+        if self.micro_batch_size is not None:
+            mb = self.micro_batch_size
+            if tb % (mb * w):
+                raise ValueError(f"train_batch_size {tb} is not micro {mb} x accumulation x world {w}")
+            return BatchSizes(tb, mb, tb // (mb * w))
+        gas = self.gradient_accumulation_steps
+        if tb % (gas * w):
+            raise ValueError(f"train_batch_size {tb} is not micro x accumulation {gas} x world {w}")
+        return BatchSizes(tb, tb // (gas * w), gas)
+
+    def feasible(self, world_size: int) -> bool:
+        try:
+            self.for_world(world_size)
+        except ValueError:
+            return False
+        return True
+
+    @property
+    def samples_per_step(self) -> int | None:
+        """The global batch when it does not depend on the world size."""
+        return self.train_batch_size if self.keep == "global" else None
 
 
 @dataclass(frozen=True)
 class ScalingDecision:
-    """Start (or resize to) ``num_workers`` ranks of ``resources_per_worker`` each."""
+    """Start (or resize to) ``num_workers`` ranks of ``resources_per_worker`` each; ``batch``: the batch
+    sizes the ranks' ZeroConfig gets at that size (None: the config as given); ``elastic``: the ranks
+    agree on recovery points at each report (what a planned resize needs)."""
 
     num_workers: int
     resources_per_worker: dict[str, float]
+    batch: BatchSizes | None = None
+    elastic: bool = False
 
 
 class ScalingPolicy(ABC):
@@ -27,9 +147,14 @@ class ScalingPolicy(ABC):
     def __init__(self, scaling_config: ScalingConfig) -> None:
         self.scaling_config = scaling_config
 
+    @property
+    def elastic(self) -> bool:
+        return False
+
     @abstractmethod
-    def decide_for_new_group(self) -> ScalingDecision:
-        """How many ranks, with what resources, the next group starts with."""
+    def decide_for_new_group(self, settled: bool = False) -> ScalingDecision:
+        """How many ranks, with what resources, the next group starts with. ``settled``: a group of the last
+        answer could not be placed, so count what is free now rather than what the nodes hold."""
 
     def decide_while_running(self, num_workers: int) -> ScalingDecision | None:
         """None = keep the group as it is."""
@@ -39,5 +164,87 @@ class ScalingPolicy(ABC):
 class FixedScalingPolicy(ScalingPolicy):
     """Always ``num_workers`` ranks; never resizes."""
 
-    def decide_for_new_group(self) -> ScalingDecision:
+    def decide_for_new_group(self, settled: bool = False) -> ScalingDecision:
         return ScalingDecision(self.scaling_config.num_workers, self.scaling_config.worker_resources)
+
+
+def fitting_workers(per_node: dict[str, dict[str, float]], per_worker: dict[str, float]) -> int:
+    """How many bundles of ``per_worker`` the nodes' resources hold (whole bundles per node). Pure."""
+    needed = {k: v for k, v in per_worker.items() if v > 0}
+    if not needed:
+        return 1 << 30
+    return sum(int(min(res.get(k, 0.0) / v + 1e-9 for k, v in needed.items())) for res in per_node.values())
+
+
+def _total_per_node() -> dict[str, dict[str, float]]:
+    from ray._private import state
+
+    return state.total_resources_per_node()
+
+
+def _available_per_node() -> dict[str, dict[str, float]]:
+    from ray._private import state
+
+    alive = set(state.total_resources_per_node())
+    return {n: r for n, r in state.available_resources_per_node().items() if n in alive}
+
+
+class ElasticScalingPolicy(ScalingPolicy):
+    """Between ``min_workers`` and ``max_workers``: the largest feasible size the live nodes hold."""
+
+    def __init__(self, scaling_config: ScalingConfig, plan: BatchPlan) -> None:
+        super().__init__(scaling_config)
+        self.plan = plan
+        self._last_check = time.monotonic()
+
+    @property
+    def elastic(self) -> bool:
+        return True
+
+    def largest_feasible(self, available: int) -> int | None:
+        """The largest size the batch rule allows in [min, min(max, available)], or None."""
+        sc = self.scaling_config
+        for w in range(min(sc.max_workers, available), sc.min_workers - 1, -1):
+            if self.plan.feasible(w):
+                return w
+        return None
+
+    def decision(self, num_workers: int) -> ScalingDecision:
+        return ScalingDecision(num_workers, self.scaling_config.worker_resources, self.plan.for_world(num_workers),
+                               elastic=True)
+
+    def decide_for_new_group(self, settled: bool = False) -> ScalingDecision:
+        """Live nodes' capacity (``settled``: what is free now). Fewer than min: ask for min, and the group
+        waits in placement (bounded by ``placement_timeout_s``)."""
+        per_node = _available_per_node() if settled else _total_per_node()
+        count = fitting_workers(per_node, self.scaling_config.worker_resources)
+        size = self.largest_feasible(count)
+        self._last_check = time.monotonic()
+        if size is None:
+            logger.warning("zeroray: the cluster holds %d worker(s), fewer than min_workers=%d: waiting for resources",
+                           count, self.scaling_config.min_workers)
+            size = next(w for w in range(self.scaling_config.min_workers, self.scaling_config.max_workers + 1)
+                        if self.plan.feasible(w))
+        return self.decision(size)
+
+    def decide_while_running(self, num_workers: int) -> ScalingDecision | None:
+        """Every ``elastic_resize_monitor_interval_s``: the group's own workers plus what the free resources
+        hold; a different feasible size is a resize."""
+        now = time.monotonic()
+        if now - self._last_check < self.scaling_config.elastic_resize_monitor_interval_s:
+            return None
+        self._last_check = now
+        count = num_workers + fitting_workers(_available_per_node(), self.scaling_config.worker_resources)
+        size = self.largest_feasible(count)
+        if size is None or size == num_workers:
+            return None
+        logger.warning("zeroray: resources for %d worker(s) now: resizing the group from %d to %d", count,
+                       num_workers, size)
+        return self.decision(size)
+
+
+def make_scaling_policy(scaling_config: ScalingConfig, plan: BatchPlan | None = None) -> ScalingPolicy:
+    """The policy ``ScalingConfig`` asks for: elastic for ``num_workers=(min, max)``, else fixed."""
+    if scaling_config.elasticity_enabled:
+        return ElasticScalingPolicy(scaling_config, plan or BatchPlan("none"))
+    return FixedScalingPolicy(scaling_config)

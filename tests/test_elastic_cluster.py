@@ -1,0 +1,198 @@
+"""An elastic run on a simulated multi-node cluster (``ray.cluster_utils.Cluster``, conftest's ray_multinode):
+it grows when a node is added (a planned resize: 0 steps lost), shrinks when a node is removed without
+warning (at most the steps since the last checkpoint lost), reshards its ZeRO-3 checkpoint across world
+sizes 2 -> 3 -> 2, and ends with the same parameters and per-step losses as a fixed-size run on the
+same global batch and samples.
+
+The driver runs in a subprocess (``python -m tests.test_elastic_cluster``) connected to the cluster;
+this process adds and removes the nodes. The loop holds at chosen steps (it keeps reporting without
+training) until the group changes, so each node event lands at a known step, whatever the machine's
+speed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+GLOBAL_BATCH, MICRO, STEPS, CHECKPOINT_EVERY = 24, 2, 16, 4
+HOLDS = {"2": 5, "3": 10}  # world size -> global step at which that group holds until it is replaced
+# Parameters and losses of a resized run against a fixed-size one: the same math, the sums in another order
+# (gradients reduced over 2 or 3 ranks and 3 or 4 micro-batches), so equal up to fp32 rounding.
+RTOL = 1e-6
+# Ray's health check here (conftest: 500 ms x 3, 1 s timeout) plus the controller's wait for the root cause; a
+# bound that says "within the health-check window", not a speed claim.
+NODE_LOSS_BOUND_S = 20.0
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(STEPS * GLOBAL_BATCH, 8, generator=g)
+    return x, torch.sin(x.sum(dim=1, keepdim=True))
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+
+def _optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _elastic_loop(config):
+    import torch.distributed as dist
+
+    import zeroray.train as zt
+
+    ctx = zt.get_context()
+    model = _model()
+    engine = zt.prepare(model, _optimizer(model))
+    x, y = _data()
+    control = Path(config["control"])
+    while engine.global_step < STEPS:
+        step = engine.global_step
+        total = torch.zeros(())
+        for micro in range(engine.gradient_accumulation_steps):
+            idx = list(ctx.sample_indices(step, micro))
+            loss = ((engine(x[idx]) - y[idx]) ** 2).mean()
+            engine.backward(loss)
+            engine.step()
+            total += loss.detach() * len(idx)
+        dist.all_reduce(total)
+        zt.report({"loss": total.item() / GLOBAL_BATCH, "step": step + 1, "world": ctx.get_world_size()},
+                  checkpoint=(step + 1) % CHECKPOINT_EVERY == 0)
+        if HOLDS.get(str(ctx.get_world_size())) == engine.global_step:
+            if ctx.get_world_rank() == 0:
+                (control / f"held-{ctx.get_world_size()}-{engine.global_step}").write_text("")
+            while True:  # until a planned resize stops the loop here, or a lost node fails the group
+                zt.report({"held": engine.global_step})
+                time.sleep(0.05)
+    state = engine.full_state_dict()
+    if ctx.get_world_rank() == 0:
+        torch.save(state, control / "final.pt")
+
+
+def _drive(address: str, out: Path) -> None:
+    """The subprocess driver: the elastic fit, then what it recorded and whether anything was left behind."""
+    import ray
+    from ray.util.placement_group import placement_group_table
+
+    from zeroray.train import FailureConfig, RunConfig, ScalingConfig, ZeroTrainer
+
+    ray.init(address=address)
+    control = out / "control"
+    result = ZeroTrainer(
+        _elastic_loop,
+        train_loop_config={"control": str(control)},
+        zero_config={"train_batch_size": GLOBAL_BATCH, "train_micro_batch_size_per_gpu": MICRO,
+                     "zero_optimization": {"stage": 3}},
+        scaling_config=ScalingConfig(num_workers=(1, 4), elastic_resize_monitor_interval_s=1.0),
+        run_config=RunConfig(name="elastic", storage_path=str(out / "runs"), progress_bar=False,
+                             failure_config=FailureConfig(max_failures=2, collective_timeout_s=30)),
+    ).fit()
+    deadline = time.monotonic() + 30
+    while True:
+        actors = [a for a in ray.util.list_named_actors(all_namespaces=True) if "zeroray:elastic:" in str(a)]
+        pgs = [p for p in placement_group_table().values() if p["name"] == "zeroray:elastic" and p["state"] != "REMOVED"]
+        if (not actors and not pgs) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    (out / "result.json").write_text(json.dumps({
+        "attempts": [a.as_dict() for a in result.attempt_history],
+        "history": result.metrics_history,
+        "left": {"actors": [str(a) for a in actors], "pgs": [p["name"] for p in pgs]},
+    }, default=str))
+    ray.shutdown()
+
+
+def _wait_for(path: Path, proc: subprocess.Popen, timeout_s: float = 240.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if proc.poll() is not None:
+            raise AssertionError(f"the driver exited ({proc.returncode}) before {path.name}:\n{_output(proc)}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"no {path.name} after {timeout_s:.0f}s:\n{_output(proc)}")
+        time.sleep(0.1)
+
+
+def _output(proc: subprocess.Popen) -> str:
+    out, _ = proc.communicate(timeout=30) if proc.poll() is not None else ("", "")
+    return (out or "")[-6000:]
+
+
+def _reference() -> tuple[dict[str, torch.Tensor], list[float]]:
+    """The fixed-size run: one process, the whole global batch per step (what DDP at any size computes)."""
+    model = _model()
+    opt = _optimizer(model)
+    x, y = _data()
+    losses = []
+    for step in range(STEPS):
+        sl = slice(step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH)
+        loss = ((model(x[sl]) - y[sl]) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return {k: v.detach().clone() for k, v in model.named_parameters()}, losses
+
+
+def test_elastic_run_grows_and_shrinks_with_nodes_and_matches_a_fixed_run(ray_multinode, tmp_path):
+    cluster = ray_multinode
+    control = tmp_path / "control"
+    control.mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.test_elastic_cluster", cluster.address, str(tmp_path)],
+        cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])},
+    )
+    try:
+        _wait_for(control / "held-2-5", proc)  # 2 nodes: a group of 2 (max 4), held at step 5
+        third = cluster.add_node(num_cpus=1)  # -> grows to 3 at the next check, from a recovery point at step 5
+        _wait_for(control / "held-3-10", proc)
+        removed_at = time.time()
+        cluster.remove_node(third, allow_graceful=False)  # a node lost without warning, its rank with it
+        proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, _output(proc)
+    out = json.loads((tmp_path / "result.json").read_text())
+    attempts = out["attempts"]
+    summary = [(a["world_size"], a["start_step"], a["last_step"], a["end"], a["steps_lost"]) for a in attempts]
+    assert summary == [
+        (2, 0, 5, "resize_up", 0),  # planned: a recovery point at step 5, nothing lost
+        (3, 5, 10, "failure", 2),  # the node died at step 10; the newest checkpoint was step 8
+        (2, 8, STEPS, "finished", 0),  # shrunk to what was left instead of waiting for the node
+    ], attempts
+    assert attempts[1]["node"] == third.node_id, attempts[1]  # the dead node's rank, not a survivor's collective error
+    noticed = attempts[1]["ended_at"] - removed_at
+    assert 0 < noticed < NODE_LOSS_BOUND_S, f"the lost node was noticed after {noticed:.1f}s"
+    assert out["left"] == {"actors": [], "pgs": []}
+
+    # Parity with the fixed-size run: the last loss recorded for each step (steps 9 and 10 ran twice).
+    losses = {}
+    for entry in out["history"]:
+        if "loss" in entry:
+            losses[entry["step"]] = entry["loss"]
+    ref_params, ref_losses = _reference()
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    torch.testing.assert_close(torch.tensor([losses[s] for s in range(1, STEPS + 1)]), torch.tensor(ref_losses),
+                               rtol=RTOL, atol=0)
+    final = torch.load(control / "final.pt")
+    flat = torch.cat([final[k].flatten() for k in ref_params])
+    ref = torch.cat([v.flatten() for v in ref_params.values()])
+    rel = ((flat - ref).norm() / ref.norm()).item()
+    assert rel <= RTOL, f"global relative error {rel:.2e} > {RTOL}"
+
+
+if __name__ == "__main__":
+    _drive(sys.argv[1], Path(sys.argv[2]))
