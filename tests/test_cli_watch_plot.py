@@ -136,11 +136,11 @@ def test_watch_once_shows_every_ranks_latest_step_and_loss(finished_run):
 
 
 def test_watch_once_shows_memory_and_samples_per_second(finished_run, tmp_path, capsys):
-    """With the batch per step in run.json, samples/s per rank is the batch's share over the step time."""
+    """With the batch per step in run.json (the trainer writes it), samples/s per rank is the batch's
+    share over the step time."""
     run = tmp_path / "watched"
     shutil.copytree(finished_run, run)
-    info = json.loads((run / "run.json").read_text())
-    (run / "run.json").write_text(json.dumps({**info, "samples_per_step": 4}))
+    assert json.loads((run / "run.json").read_text())["samples_per_step"] == 4
     assert main(["watch", "--once", str(run)]) == 0
     out = capsys.readouterr().out
     last = _entries(run)[-1]
@@ -201,7 +201,9 @@ def test_plot_writes_decodable_pngs_of_the_history(finished_run, tmp_path, capsy
     world = plot._world_size(history).axes[0].get_lines()[0]
     assert set(world.get_ydata()) == {2}
     throughput = plot._throughput(history).axes
-    assert [line.get_label() for ax in throughput for line in ax.get_lines()] == ["steps/s", "tokens/s"]
+    # run.json records the batch per step (micro-batch 2 x 2 ranks): samples/s, not steps/s.
+    assert json.loads((finished_run / "run.json").read_text())["samples_per_step"] == 4
+    assert [line.get_label() for ax in throughput for line in ax.get_lines()] == ["samples/s", "tokens/s"]
 
 
 def test_a_restarted_run_shows_its_second_attempt(ray_cluster, tmp_path, capsys):

@@ -60,6 +60,10 @@ def _loop(config: dict[str, Any]) -> None:
         dist.broadcast(stop, src=0)
         zt.report({"loss": loss.item(), "tokens": tokens, "peak_flops": 1e12},
                   checkpoint=engine.global_step == 2)
+        failed_once = out / "failed-once"
+        if engine.global_step == 3 and ctx.get_world_rank() == 0 and not failed_once.exists():
+            failed_once.write_text("")  # one restart: the second group resumes from checkpoint_2
+            raise RuntimeError("planned failure, for the resume metrics")
         if stop.item():
             break
     final = {"global_step": engine.global_step, "memory": engine.memory_report(), "comm": engine.comm_report()}
@@ -187,13 +191,17 @@ def _expr_for(expr: str) -> str:
     return re.sub(r"^label_values\((\w+), (\w+)\)$", r"count by (\2) (\1)", expr)
 
 
+# What this run cannot fill: it offloads nothing.
+EMPTY_HERE = {M.OFFLOAD_BYTES.prometheus, M.OFFLOAD_BANDWIDTH.prometheus}
+
+
 def _known_empty(expr: str) -> bool:
     names = re.findall(r"\bray_zeroray_[a-z_]+", expr)
-    return bool(names) and all(n in M.KNOWN_EMPTY for n in names)
+    return bool(names) and all(n in EMPTY_HERE for n in names)
 
 
 def test_prometheus_scrapes_every_dashboard_query(prometheus, ray_cluster, tmp_path):
-    from zeroray.train import ScalingConfig, ZeroTrainer
+    from zeroray.train import FailureConfig, ScalingConfig, ZeroTrainer
 
     out = tmp_path / "out"
     out.mkdir()
@@ -202,7 +210,7 @@ def test_prometheus_scrapes_every_dashboard_query(prometheus, ray_cluster, tmp_p
         train_loop_config={"stop": str(out / "stop"), "out": str(out), "max_s": DEADLINE_S},
         zero_config={"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0},
         scaling_config=ScalingConfig(num_workers=2),
-        run_config=run_config(tmp_path, RUN),
+        run_config=run_config(tmp_path, RUN, failure_config=FailureConfig(max_failures=1)),
     )
     result: dict[str, Any] = {}
     fit = threading.Thread(target=lambda: result.update(r=trainer.fit()), daemon=True)
@@ -250,6 +258,8 @@ def test_prometheus_scrapes_every_dashboard_query(prometheus, ray_cluster, tmp_p
         (out / "release").write_text("")
         fit.join(timeout=2 * DEADLINE_S)
     assert "r" in result and result["r"].error is None
+    assert [a["end"] for a in json.loads((tmp_path / "runs" / RUN / "run.json").read_text())["attempt_history"]] == [
+        "failure", "finished"]
     assert not [t for t in threading.enumerate() if t.name == "zeroray-metrics"]  # the driver's refresh ended
     # The driver's gauges stop being refreshed at the end: the final state was scraped at least once.
     wait_for(lambda: prometheus.query(

@@ -92,7 +92,10 @@ class MetricsFileCallback(ControllerCallback):
             self.flush()
 
     def after_state_change(self, previous: S.ControllerState | None, current: S.ControllerState) -> None:
-        if current.is_terminal or isinstance(current, S.Restarting):
+        # The controller passes RUNNING -> RUNNING at every poll: reports that came in a burst and
+        # then a quiet loop are written once the interval has passed, not only at the next report.
+        due = self.pending and time.monotonic() - self._last_write >= self.interval_s
+        if current.is_terminal or isinstance(current, S.Restarting) or due:
             self.flush()
 
     def flush(self) -> None:
@@ -113,21 +116,26 @@ class RunInfoCallback(ControllerCallback):
     atomically on every state change and every few seconds of reports."""
 
     def __init__(self, storage: RunStorage, metrics_file: MetricsFileCallback | None = None,
-                 interval_s: float = HISTORY_WRITE_INTERVAL_S) -> None:
+                 interval_s: float = HISTORY_WRITE_INTERVAL_S, samples_per_step: int | None = None) -> None:
         self.storage, self.metrics_file, self.interval_s = storage, metrics_file, interval_s
+        # samples_per_step lets `zeroray watch` / `plot` show samples/s rather than steps/s.
         self.info: dict[str, Any] = {"name": storage.name, "status": None, "attempts": 0, "num_workers": None,
-                                     "num_reports": 0, "started_at": time.time(), "updated_at": None, "error": None}
+                                     "num_reports": 0, "started_at": time.time(), "updated_at": None, "error": None,
+                                     "samples_per_step": samples_per_step}
         self._last_write = float("-inf")
         self.attempts: list[Any] = []
 
     def after_state_change(self, previous: S.ControllerState | None, current: S.ControllerState) -> None:
+        changed = previous is None or previous.type != current.type
         self.info["status"] = current.type.value
         if isinstance(current, S.Scheduling):
             self.info["attempts"] += 1
             self.info["num_workers"] = current.decision.num_workers
         if isinstance(current, S.Errored):
             self.info["error"] = str(current.error)
-        self.write()
+        # RUNNING -> RUNNING at every poll (0.1 s) is no news: an object store would take ten uploads a second.
+        if changed or time.monotonic() - self._last_write >= self.interval_s:
+            self.write()
 
     def after_attempt_start(self, attempt: Any) -> None:
         self.attempts.append(attempt)  # the controller fills it in (last step, end, steps lost); read at each write

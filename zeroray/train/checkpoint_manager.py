@@ -14,6 +14,7 @@ from the first async save to the end of the loop.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,7 +54,10 @@ def resume(session: Session) -> bool:
     url = session.report_comm.broadcast_object(newest, src=0)
     if url is not None:
         wait(session)  # an async save of an earlier engine of this loop must not race the read
+        start = time.perf_counter()
         zc.load(session.engine, url, storage_options=options)
+        nbytes = sum(t.numel() * t.element_size() for gs in session.engine.shard_state() for t in gs.tensors.values())
+        session.checkpoint_load = (time.perf_counter() - start, nbytes)
         if session.elastic:
             _realign_accumulation(session.engine)
         session.last_saved_step = session.engine.global_step

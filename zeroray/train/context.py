@@ -112,6 +112,7 @@ class Session:
     elastic: bool = False  # the ranks agree at each report whether to stop at a recovery point
     stop_requested: bool = False  # the driver asked for a recovery point (a planned resize)
     last_saved_step: int | None = None  # global step of this engine's newest save
+    checkpoint_load: tuple[float, int] | None = None  # (seconds, bytes) of the resume load, for the metrics
 
     @property
     def zero_config(self) -> Any:

@@ -92,7 +92,7 @@ class Controller:
             self.history,
             ProgressCallback(Progress(spec.progress_bar, spec.samples_per_step)),
             metrics_file,
-            RunInfoCallback(storage, metrics_file),
+            RunInfoCallback(storage, metrics_file, samples_per_step=spec.samples_per_step),
             *(callbacks or []),
         ]
 

@@ -28,6 +28,8 @@ class WorkerFailure:
     num_reports: int | None = None
     waiting_in: str | None = None
     timed_out: bool = False
+    # The rank's actor stopped answering polls (FailureConfig.worker_heartbeat_timeout_s).
+    hung: bool = False
 
     @property
     def where(self) -> str:
@@ -41,7 +43,7 @@ class WorkerFailure:
         return f"outside zt.report (in the loop's own code or collectives) after {self.num_reports} report(s)"
 
     def __str__(self) -> str:
-        what = "actor died" if self.actor_died else "train loop raised"
+        what = "actor died" if self.actor_died else "rank hung" if self.hung else "train loop raised"
         if self.timed_out:
             what += " after a collective timed out"
         elif self.secondary:

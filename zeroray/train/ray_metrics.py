@@ -111,7 +111,8 @@ class RankMetrics(ReportCallback):
             self._set(M.PHASE_TIME, max(step_time - sum(stats.phases.values()), 0.0), phase="other")
 
         world = session.context.get_world_size()
-        samples_per_s = session.spec.samples_per_step / world / step_time if step_time else None
+        per_step = session.spec.samples_per_step  # None when the config gives no batch sizes
+        samples_per_s = per_step / world / step_time if step_time and per_step else None
         self._set(M.SAMPLES_PER_SECOND, samples_per_s)
         tokens_per_s = self._tokens_per_second(metrics, interval)
         self._set(M.TOKENS_PER_SECOND, tokens_per_s)

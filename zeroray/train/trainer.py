@@ -73,7 +73,14 @@ class ZeroTrainer:
         checked = load_config(zero_config, defer=True)
         self.zero_config = zero_config
         # Batch sizes must agree with the world size; checked here, not in the first rank to start.
-        self.samples_per_step = checked.resolve_batch(scaling_config.num_workers).train_batch_size
+        if scaling_config.elasticity_enabled:  # a size between min and max must keep the batch rule
+            from zeroray.train.scaling_policy import BatchPlan
+
+            self.batch_plan: Any = BatchPlan.from_config(checked, scaling_config)
+            self.samples_per_step = self.batch_plan.samples_per_step
+        else:
+            self.batch_plan = None
+            self.samples_per_step = checked.resolve_batch(scaling_config.num_workers).train_batch_size
         self.train_fn = train_loop_per_worker
         self.train_loop_config = train_loop_config
         self.scaling_config, self.run_config = scaling_config, run_config
@@ -125,17 +132,17 @@ class ZeroTrainer:
         from zeroray.train.controller_metrics import ControllerMetrics
         from zeroray.train.failure_policy import FailurePolicy
         from zeroray.train.lease import RunLease
-        from zeroray.train.scaling_policy import FixedScalingPolicy
+        from zeroray.train.scaling_policy import make_scaling_policy
         from zeroray.train.storage import RunStorage
 
         self._check_picklable()
         rc = self.run_config
         storage = RunStorage(rc.storage_path, rc.name, rc.storage_options)
-        storage.validate(processes=self.scaling_config.num_workers + 1)  # every rank, and this driver
+        storage.validate(processes=self.scaling_config.max_workers + 1)  # every rank, and this driver
         ensure_ray()
-        scaling_policy = FixedScalingPolicy(self.scaling_config)
+        scaling_policy = make_scaling_policy(self.scaling_config, self.batch_plan)
         decision = scaling_policy.decide_for_new_group()
-        check_fits(decision.num_workers, decision.resources_per_worker)
+        check_fits(self.scaling_config.min_workers, decision.resources_per_worker)
         lease = RunLease(storage, rc.lease_timeout_s)
         lease.acquire()
         try:

@@ -270,6 +270,7 @@ class WorkerGroup:
                         f"releasing the GIL){self._where(rank)}; FailureConfig.worker_heartbeat_timeout_s="
                         f"{self.hang_timeout_s:g}",
                         "",
+                        hung=True,
                     ))
         status.done = list(self._done)
         status.stopped = list(self._stopped)
