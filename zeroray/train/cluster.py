@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 
 import ray
 
@@ -29,7 +30,28 @@ def ensure_ray(num_cpus: int | None = None) -> None:
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     if root not in paths:
         os.environ["PYTHONPATH"] = os.pathsep.join([*paths, root])
-    ray.init(address=os.environ.get("RAY_ADDRESS"), num_cpus=num_cpus)
+    address = os.environ.get("RAY_ADDRESS") or None
+    if address is None and _stale_cluster_file():
+        address = "local"  # ray.init() would wait for the dead cluster instead of starting one
+    ray.init(address=address, num_cpus=num_cpus)
+
+
+def _stale_cluster_file() -> bool:
+    """Whether Ray's "last `ray start`" file names a cluster whose GCS no longer answers (a cluster
+    that was killed, not stopped, leaves it behind)."""
+    from ray._private.services import find_bootstrap_address
+
+    found = find_bootstrap_address(None)
+    if not found:
+        return False
+    host, _, port = found.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=2):
+            return False
+    except (OSError, ValueError):
+        logger.warning("zeroray: no Ray cluster answers at %s (named by a leftover ray_current_cluster file); "
+                       "starting a local one", found)
+        return True
 
 
 def started_here() -> bool:
