@@ -314,11 +314,11 @@ class ZeroConfig:
         opt, par = self.offload_optimizer, self.offload_param
         if not isinstance(opt, OffloadConfig) or not isinstance(par, OffloadConfig) or isinstance(self.stage, bool):
             return
-        if opt.device != "none" and self.stage == 0:
+        if opt.device in ("cpu", "nvme") and self.stage == 0:
             yield "offload_optimizer.device", (
                 f"{opt.device!r} needs a sharded optimizer (stage 1, 2 or 3); stage 0 keeps it whole on every rank"
             )
-        if par.device != "none" and self.stage != 3:
+        if par.device in ("cpu", "nvme") and self.stage != 3:
             yield "offload_param.device", f"{par.device!r} needs stage 3 (sharded parameters), got stage {self.stage!r}"
         if par.device == "nvme":
             yield "offload_param.device", (

@@ -386,6 +386,7 @@ class NvmeHome(StateHome):
         self._rewrite(piece, edit)
 
     def memory(self, subs: Sequence[SubGroup], optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        self._drain()  # the files' sizes once the writes behind the last step are done
         host = sum(b.nbytes for b in self._bufs) + sum(t.numel() * t.element_size() for t in self._host_grads.values())
         nvme = sum(s * b for s, b in zip(self._segs, self._seg_bytes))
         return {"master": 0, "states": 0, "host": host, "nvme": nvme}
