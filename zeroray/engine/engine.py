@@ -37,6 +37,7 @@ from zeroray.engine.param_guard import ParamGuard
 from zeroray.engine.reducer import GradReducer
 from zeroray.engine.schedule import UnitScheduler
 from zeroray.engine.sharded_optim import (
+    GradShards,
     OptimizerArg,
     ShardedOptimizer,
     param_group_index,
@@ -325,35 +326,32 @@ class ZeroEngine:
             g.zero_grad()
         self.global_step += 1
 
-    def _unscale_and_check(self, grads: dict[FlatGroup, torch.Tensor]) -> bool:
+    def _unscale_and_check(self, grads: GradShards) -> bool:
         """Undo the fp16 loss scale; True when some rank's gradients overflowed (the step is skipped)."""
         if self.loss_scaler.scale != 1.0:
-            inv = 1.0 / self.loss_scaler.scale
-            for t in grads.values():
-                t.mul_(inv)
+            grads.scale_(1.0 / self.loss_scaler.scale)
         overflow = False
         if self.config.precision.loss_scaling:
-            local = any(not torch.isfinite(t).all() for t in grads.values())
+            local = any(not torch.isfinite(t).all() for t in grads.each())
             overflow = self.comm.any_true(local, self.device)
             self.loss_scaler.update(overflow)
         return overflow
 
-    def _clip(self, grads: dict[FlatGroup, torch.Tensor]) -> None:
+    def _clip(self, grads: GradShards) -> None:
         """Clip by the global norm over every rank's shard (one scalar all-reduce)."""
         clip = self.config.gradient_clipping
         if clip <= 0:
             self.last_grad_norm = None
             return
         sq = torch.zeros(1, dtype=torch.float32, device=self.device)
-        for t in grads.values():
+        for t in grads.each():
             sq += t.pow(2).sum().to(self.device)
         if self.sharding.shards_optimizer:  # each rank holds a shard of the gradients
             self.comm.sum_scalar(sq)
         norm = sq.sqrt()
         self.last_grad_norm = float(norm)
         coef = torch.clamp(clip / (norm + 1e-6), max=1.0)
-        for t in grads.values():
-            t.mul_(coef)
+        grads.scale_(coef)
 
     # ------------------------------------------------------------------ state
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -48,7 +48,11 @@ class StateHome:
     def prepare(self, subs: Sequence[SubGroup], optimizer: torch.optim.Optimizer) -> None:
         """Called once the optimizer exists."""
 
-    def grad(self, g: FlatGroup) -> torch.Tensor:
+    lazy_grads = False  # see GradShards: fp32 gradients made per sub-group, as it is stepped
+
+    def grad(self, g: FlatGroup, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+        """``g``'s gradient shard (or its ``[lo, hi)``) in fp32 where the optimizer runs; eager
+        homes may return the shard itself (scaled in place) or a reused buffer."""
         raise NotImplementedError
 
     def cycle(self, subs: Sequence[SubGroup], optimizer: torch.optim.Optimizer) -> Iterator[tuple[SubGroup, None]]:
@@ -98,7 +102,7 @@ class ResidentHome(StateHome):
     def param_data(self, g: FlatGroup, lo: int, hi: int) -> torch.Tensor:
         return g.master if (lo, hi) == (0, g.shard_numel) else g.master[lo:hi]
 
-    def grad(self, g: FlatGroup) -> torch.Tensor:
+    def grad(self, g: FlatGroup, lo: int = 0, hi: int | None = None) -> torch.Tensor:
         gs = g.grad_shard
         if not self.offloaded:
             return gs if gs.dtype == g.master.dtype else gs.to(g.master.dtype)
@@ -170,9 +174,13 @@ class NvmeHome(StateHome):
         self._offsets: dict[int, tuple[int, int]] = {}  # id(piece.param) -> (sub-group index, offset in segment)
         self._subs: Sequence[SubGroup] = ()
         self._placeholder = torch.empty(0, dtype=torch.float32, device=host_device)
-        self._host_grads: dict[FlatGroup, torch.Tensor] = {}
+        self.lazy_grads = True  # set per engine: see NvmeHome.attach
 
     # ------------------------------------------------------------------ set-up
+    def attach(self, groups: Sequence[FlatGroup]) -> None:
+        # fp32 gradient shards in host memory are used in place; anything else is cast per sub-group.
+        self.lazy_grads = any(g.grad_shard.dtype != torch.float32 or g.grad_shard.device != self.host_device for g in groups)
+
     def param_data(self, g: FlatGroup, lo: int, hi: int) -> torch.Tensor:
         return self._placeholder
 
@@ -239,15 +247,11 @@ class NvmeHome(StateHome):
         return self.swap.write(self._name(i), buf, self._segs[i] * self._seg_bytes[i])
 
     # ------------------------------------------------------------------ the step
-    def grad(self, g: FlatGroup) -> torch.Tensor:
-        gs = g.grad_shard
-        if gs.device == self.host_device:
-            return gs if gs.dtype == torch.float32 else gs.float()
-        buf = self._host_grads.get(g)
-        if buf is None:
-            buf = self._host_grads[g] = torch.empty(gs.shape, dtype=torch.float32, device=self.host_device)
-        buf.copy_(gs)
-        return buf
+    def grad(self, g: FlatGroup, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+        gs = g.grad_shard[lo:hi]
+        if gs.device == self.host_device and gs.dtype == torch.float32:
+            return gs  # eager: scaled in place, as without offload
+        return gs.to(device=self.host_device, dtype=torch.float32, copy=True)
 
     def cycle(self, subs: Sequence[SubGroup], optimizer: torch.optim.Optimizer) -> Iterator[tuple[SubGroup, None]]:
         n = len(self._bufs)
@@ -387,7 +391,7 @@ class NvmeHome(StateHome):
 
     def memory(self, subs: Sequence[SubGroup], optimizer: torch.optim.Optimizer) -> dict[str, int]:
         self._drain()  # the files' sizes once the writes behind the last step are done
-        host = sum(b.nbytes for b in self._bufs) + sum(t.numel() * t.element_size() for t in self._host_grads.values())
+        host = sum(b.nbytes for b in self._bufs)
         nvme = sum(s * b for s, b in zip(self._segs, self._seg_bytes))
         return {"master": 0, "states": 0, "host": host, "nvme": nvme}
 

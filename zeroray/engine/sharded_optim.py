@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -168,6 +168,50 @@ def plan_sub_groups(groups: Sequence[FlatGroup], sub_group_size: int) -> list[li
     return subs
 
 
+def _mul(t: torch.Tensor, factor: float | torch.Tensor) -> None:
+    t.mul_(factor.to(t.device) if torch.is_tensor(factor) else factor)
+
+
+class GradShards:
+    """The gradient shards the optimizer steps with: ``source(g)`` (the fp32 cast of ``g``'s reduced
+    shard, where the optimizer runs) times the factors given to :meth:`scale_`, in order.
+
+    Eager: one fp32 tensor per group, made at once and scaled in place (the gradient shard itself
+    when it is fp32 already). Lazy (NVMe offload with a 16-bit reduce dtype): each sub-group's fp32
+    gradients are made only when it is stepped, so a rank never holds its whole fp32 gradient shard;
+    the same elementwise casts and multiplications in the same order give the same bits.
+    """
+
+    def __init__(self, groups: Sequence[FlatGroup], source: Callable[[FlatGroup], torch.Tensor], lazy: bool):
+        self.groups = groups
+        self._source = source
+        self._lazy = lazy
+        self._factors: list[float | torch.Tensor] = []
+        self._eager = {} if lazy else {g: source(g) for g in groups}
+
+    def scale_(self, factor: float | torch.Tensor) -> None:
+        if self._lazy:
+            self._factors.append(factor)
+        else:
+            for t in self._eager.values():
+                _mul(t, factor)
+
+    def _made(self, t: torch.Tensor) -> torch.Tensor:
+        for f in self._factors:
+            _mul(t, f)
+        return t
+
+    def each(self) -> Iterator[torch.Tensor]:
+        """Each group's scaled fp32 gradients (lazy: a temporary at a time)."""
+        for g in self.groups:
+            yield self._eager[g] if not self._lazy else self._made(self._source(g))
+
+    def piece(self, g: FlatGroup, lo: int, hi: int) -> torch.Tensor:
+        if not self._lazy:
+            return self._eager[g][lo:hi]
+        return self._made(self._source(g, lo, hi))
+
+
 class ShardedOptimizer:
     """The fp32 masters, gradients and torch optimizer of this rank's shards, stepped by sub-group.
 
@@ -207,17 +251,16 @@ class ShardedOptimizer:
         home.prepare(self.sub_groups, self.optimizer)
 
     # ------------------------------------------------------------------ the step
-    def grads(self) -> dict[FlatGroup, torch.Tensor]:
-        """This rank's gradient shards in the masters' dtype, where the optimizer reads them (one
-        cast from the reduce dtype; the device's own tensor when nothing needs changing)."""
-        return {g: self.home.grad(g) for g in self.groups}
+    def grads(self) -> GradShards:
+        """This rank's gradient shards as the optimizer will read them (fp32, where it steps)."""
+        return GradShards(self.groups, self.home.grad, lazy=self.home.lazy_grads)
 
-    def step(self, grads: dict[FlatGroup, torch.Tensor]) -> None:
+    def step(self, grads: GradShards) -> None:
         """Step every sub-group in turn with ``grads`` (unscaled and clipped), and write the updated
         masters into the compute shards (cast)."""
         for sub, _ in self.home.cycle(self.sub_groups, self.optimizer):
             for piece in sub.pieces:
-                piece.param.grad = grads[piece.group][piece.lo : piece.hi]
+                piece.param.grad = grads.piece(piece.group, piece.lo, piece.hi)
             self.optimizer.step()
             for piece in sub.pieces:
                 piece.param.grad = None
