@@ -16,6 +16,7 @@ and never knows which one it has.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
@@ -79,6 +80,10 @@ class StateHome:
         """``{"master": , "states": , "host": , "nvme": }`` bytes: masters and states held on the compute
         device; host memory held for offload (masters, states, grad copies, swap buffers); swap files."""
         raise NotImplementedError
+
+    def io_report(self) -> dict[str, float]:
+        """Swap traffic and the time the step spent blocked on it (NVMe only)."""
+        return {}
 
     def close(self) -> None:
         """Release what the home holds (swap files included)."""
@@ -175,6 +180,7 @@ class NvmeHome(StateHome):
         self._subs: Sequence[SubGroup] = ()
         self._placeholder = torch.empty(0, dtype=torch.float32, device=host_device)
         self.lazy_grads = True  # set per engine: see NvmeHome.attach
+        self._read_wait = self._write_wait = 0.0  # seconds the step waited for the disk
 
     # ------------------------------------------------------------------ set-up
     def attach(self, groups: Sequence[FlatGroup]) -> None:
@@ -217,7 +223,18 @@ class NvmeHome(StateHome):
     def _wait_buffer(self, b: int) -> None:
         w = self._writes.pop(b, None)
         if w is not None:
+            t0 = time.perf_counter()
             wait_all(w)
+            self._write_wait += time.perf_counter() - t0
+
+    def io_report(self) -> dict[str, float]:
+        return {
+            "bytes_read": self.swap.bytes_read,
+            "bytes_written": self.swap.bytes_written,
+            "read_wait_s": self._read_wait,
+            "write_wait_s": self._write_wait,
+            "direct_io": float(self.swap.direct),
+        }
 
     def _drain(self) -> None:
         for b in list(self._writes):
@@ -267,7 +284,9 @@ class NvmeHome(StateHome):
         for i, sub in enumerate(subs):
             if i + 1 < len(subs) and n > 1:
                 reads[i + 1] = start_read(i + 1)
+            t0 = time.perf_counter()
             wait_all(reads.pop(i))
+            self._read_wait += time.perf_counter() - t0
             self._reads.pop(i % n, None)
             buf = self._bufs[i % n]
             self._bind(sub, buf, optimizer)

@@ -320,5 +320,9 @@ class ShardedOptimizer:
         """Bytes of masters and optimizer states, by where they are: see :meth:`StateHome.memory`."""
         return self.home.memory(self.sub_groups, self.optimizer)
 
+    def io_report(self) -> dict[str, float]:
+        """NVMe offload: bytes read and written and seconds the step waited for them, cumulative."""
+        return self.home.io_report()
+
     def close(self) -> None:
         self.home.close()
