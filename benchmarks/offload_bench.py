@@ -49,6 +49,7 @@ from zeroray.models.gpt import GPT, GPTConfig  # noqa: E402
 
 GB = 1e9
 BLOCK = 8 << 20
+DEEPSPEED = os.environ.get("OFFLOAD_BENCH_DEEPSPEED", "1") == "1"
 
 
 # ------------------------------------------------------------------------------ disk
@@ -183,6 +184,52 @@ def train(spec: dict, world: int = 2) -> list[dict]:
         return [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(world)]
 
 
+def _ds_rank(rank: int, world: int, port: int, spec: dict, out: str) -> None:
+    """DeepSpeed ZeRO-3 (DS_ACCELERATOR=cpu, gloo) on the same model, its own optimizer block."""
+    os.environ.update(DS_ACCELERATOR="cpu", RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    try:
+        torch.manual_seed(0)
+        cfg = GPTConfig(**spec["model"])
+        model = GPT(cfg)
+        config = {
+            "train_micro_batch_size_per_gpu": spec["batch"][0], "gradient_accumulation_steps": 1,
+            "optimizer": {"type": "AdamW", "params": {"lr": spec["lr"]}},
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, **spec["ds_zero"]},
+        }
+        t0 = time.perf_counter()
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        setup_s = time.perf_counter() - t0
+        g = torch.Generator().manual_seed(rank)
+        B, T = spec["batch"]
+        x = torch.randint(0, cfg.vocab_size, (B, T), generator=g)
+        y = torch.randint(0, cfg.vocab_size, (B, T), generator=g)
+        steps = []
+        for _ in range(spec["steps"]):
+            t0 = time.perf_counter()
+            _, loss = engine(x, y)
+            engine.backward(loss)
+            t1 = time.perf_counter()
+            engine.step()
+            steps.append({"loss": loss.item(), "step_s": time.perf_counter() - t0, "optimizer_s": time.perf_counter() - t1})
+        torch.save({"setup_s": setup_s, "steps": steps, "peak_rss": peak_rss()}, os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def deepspeed_peer(spec: dict, world: int = 2) -> list[dict] | dict:
+    with tempfile.TemporaryDirectory() as out:
+        try:
+            mp.spawn(_ds_rank, args=(world, free_port(), spec, out), nprocs=world, join=True)
+        except Exception as e:  # noqa: BLE001 - the peer's failure is a result to report
+            return {"error": f"{type(e).__name__}: {str(e)[-400:]}"}
+        return [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+
+
 def steps_100m(nvme_path: str, steps: int = 6) -> dict[str, Any]:
     model = {"vocab_size": 8192, "block_size": 256, "n_layer": 12, "n_head": 12, "n_embd": 768}  # GPT-2 small shape
     base = {"zero_optimization": {"stage": 3}}
@@ -195,11 +242,27 @@ def steps_100m(nvme_path: str, steps: int = 6) -> dict[str, Any]:
     out: dict[str, Any] = {"params": GPTConfig(**model).num_params(), "world": 2, "batch": [2, 128]}
     for name, zero in runs.items():
         res = train({"model": model, "zero": zero, "lr": 1e-4, "batch": [2, 128], "steps": steps})
-        per_rank = [statistics.median(s["step_s"] for s in r["steps"][2:]) for r in res]
-        out[name] = {"median_step_s": max(per_rank), "optimizer_s": max(statistics.median(s["optimizer_s"] for s in r["steps"][2:]) for r in res),
-                     "losses": [s["loss"] for s in res[0]["steps"]], "memory": res[0]["memory"]}
+        def med(key: str, res: list = res) -> float:
+            return max(statistics.median(s[key] for s in r["steps"][2:]) for r in res)
+
+        out[name] = {"median_step_s": med("step_s"), "fwd_bwd_s": med("fwd_bwd_s"), "optimizer_s": med("optimizer_s"),
+                     "losses": [s["loss"] for s in res[0]["steps"]], "memory": res[0]["memory"], "steps": [r["steps"] for r in res]}
     for name in ("cpu", "nvme"):
         out[name]["vs_none"] = out[name]["median_step_s"] / out["none"]["median_step_s"]
+    if DEEPSPEED:
+        for name, ds_zero in (("none", {}), ("cpu", {"offload_optimizer": {"device": "cpu"}}),
+                              ("nvme", {"offload_optimizer": {"device": "nvme", "nvme_path": nvme_path}})):
+            res = deepspeed_peer({"model": model, "ds_zero": ds_zero, "lr": 1e-4, "batch": [2, 128], "steps": steps})
+            if isinstance(res, dict):
+                out[f"deepspeed-{name}"] = res
+                continue
+            out[f"deepspeed-{name}"] = {
+                "median_step_s": max(statistics.median(s["step_s"] for s in r["steps"][2:]) for r in res),
+                "optimizer_s": max(statistics.median(s["optimizer_s"] for s in r["steps"][2:]) for r in res),
+                "losses": [s["loss"] for s in res[0]["steps"]],
+            }
+            if "median_step_s" in out[name]:
+                out[name]["vs_deepspeed"] = out[name]["median_step_s"] / out[f"deepspeed-{name}"]["median_step_s"]
     return out
 
 
@@ -249,9 +312,14 @@ def markdown(res: dict) -> str:
     if "steps" in res:
         s = res["steps"]
         lines += [f"## Step time, {s['params'] / 1e6:.0f}M-parameter GPT, stage 3, world 2, fp32 AdamW, batch 2x128", "",
-                  "| offload | median step s | optimizer s | ÷ none |", "|---|---|---|---|"]
+                  "| offload | zeroray median step s | fwd+bwd s | optimizer s | ÷ zeroray none | DeepSpeed step s | ÷ DeepSpeed |",
+                  "|---|---|---|---|---|---|---|"]
         for k in ("none", "cpu", "nvme"):
-            lines.append(f"| {k} | {s[k]['median_step_s']:.2f} | {s[k]['optimizer_s']:.2f} | {s[k].get('vs_none', 1.0):.2f} |")
+            ds = s.get(f"deepspeed-{k}", {})
+            ds_cell = f"{ds['median_step_s']:.2f}" if "median_step_s" in ds else ds.get("error", "not run")[-120:]
+            ratio = f"{s[k]['vs_deepspeed']:.2f}" if "vs_deepspeed" in s[k] else "-"
+            lines.append(f"| {k} | {s[k]['median_step_s']:.2f} | {s[k].get('fwd_bwd_s', float('nan')):.2f} | {s[k]['optimizer_s']:.2f} | "
+                         f"{s[k].get('vs_none', 1.0):.2f} | {ds_cell} | {ratio} |")
         lines.append("")
     if "big" in res:
         b = res["big"]

@@ -244,6 +244,7 @@ class ZeroEngine:
             master_device=self._master_device or self.host_device,
             shard_device=self._shard_device,
             keep_master=self._master_device is not None,
+            pin_memory=self.config.offload_optimizer.pin_memory or self.config.offload_param.pin_memory,
         )
 
     def _state_home(self, template: torch.optim.Optimizer) -> StateHome:
