@@ -133,7 +133,7 @@ def main() -> None:
     p.add_argument("--n-embd", type=int, default=256)
     p.add_argument("--n-head", type=int, default=4)
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--use-gpu", action="store_true", help="one GPU per worker, NCCL")
+    p.add_argument("--use-gpu", "--gpu", action="store_true", help="one GPU per worker, NCCL")
     p.add_argument("--max-failures", type=int, default=0)
     args = p.parse_args()
     if args.steps < 0 or args.workers < 1:

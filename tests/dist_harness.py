@@ -19,11 +19,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, out_dir: str, fn: Callable, args: tuple) -> None:
+def _entry(rank: int, world: int, out_dir: str, fn: Callable, args: tuple, backend: str) -> None:
     torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     # A file store: no port to pick, so concurrent runs cannot race for one.
     store = os.path.join(out_dir, "rendezvous")
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         result = fn(rank, world, *args)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -31,8 +33,10 @@ def _entry(rank: int, world: int, out_dir: str, fn: Callable, args: tuple) -> No
         dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]:
-    """``fn(rank, world, *args)`` on ``world`` spawned processes; returns each rank's result."""
+def run_ranks(fn: Callable[..., Any], world: int, *args: Any, backend: str = "gloo") -> list[Any]:
+    """``fn(rank, world, *args)`` on ``world`` spawned processes; returns each rank's result.
+
+    ``backend="nccl"`` puts rank r on CUDA device r (mod the count) first."""
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_entry, args=(world, out_dir, fn, args), nprocs=world, join=True)
+        mp.spawn(_entry, args=(world, out_dir, fn, args, backend), nprocs=world, join=True)
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]

@@ -115,7 +115,7 @@ def pod_specs(spec: dict[str, Any]) -> list[dict[str, Any]]:
 
 def test_the_manifests_are_there() -> None:
     kinds = sorted(d["kind"] for _, d in manifests())
-    assert kinds == ["PodMonitor", "PodMonitor", "RayCluster", "RayJob", "RayJob", "Secret"]
+    assert kinds == ["ConfigMap", "PodMonitor", "PodMonitor", "RayCluster", "RayJob", "RayJob", "Secret"]
 
 
 @pytest.mark.parametrize(("name", "obj"), manifests(), ids=[n for n, _ in manifests()])
@@ -238,3 +238,15 @@ def test_pod_monitors_select_the_ray_pods_and_their_metrics_ports() -> None:
         labels = monitor["spec"]["selector"]["matchLabels"]
         assert labels["app.kubernetes.io/part-of"] == "zeroray"
         assert {e["port"] for e in monitor["spec"]["podMetricsEndpoints"]} <= ports[labels["ray.io/node-type"]]
+
+
+def test_grafana_sidecar_config_map_holds_the_committed_dashboard() -> None:
+    import json
+
+    (cm,) = by_kind("ConfigMap")
+    assert cm["metadata"]["labels"] == {"grafana_dashboard": "1"}
+    (monitor,) = {m["metadata"]["namespace"] for m in by_kind("PodMonitor")}
+    assert cm["metadata"]["namespace"] == monitor  # beside the Prometheus stack's Grafana
+    committed = (ROOT / "dashboards" / "zeroray-overview.json").read_text()
+    assert cm["data"] == {"zeroray-overview.json": committed}
+    assert json.loads(committed)["title"] == "zeroray overview"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -40,8 +41,11 @@ def _reference(rank: int, model: torch.nn.Module, data: list) -> tuple[list[floa
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, norms
 
 
-def _zero(model: torch.nn.Module, data: list, stage: int, precision: str | PrecisionPolicy) -> tuple[list[float], dict, list[float]]:
+def _zero(
+    model: torch.nn.Module, data: list, stage: int, precision: str | PrecisionPolicy, **config: Any
+) -> tuple[list[float], dict, list[float]]:
     cfg = zeroray.ZeroConfig(
+        **config,
         stage=stage,
         precision=precision,
         gradient_accumulation_steps=GAS,

@@ -108,6 +108,12 @@ class InFlight:
         handle.wait()
 
 
+# torch 2.13 renamed these two; the earlier releases that zeroray supports (CUDA images ship them) have only
+# the old names, with the same arguments.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def _as_list(works: dist.Work | list[dist.Work]) -> list[dist.Work]:
     return works if isinstance(works, list) else [works]
 
@@ -198,7 +204,7 @@ class Comm:
             return Handle()
         self._count("reduce_scatter", full.numel() * full.element_size())
         return self._issue(
-            lambda o, f: dist.reduce_scatter_single(o, f, group=self.group, async_op=True), [out, full], async_op
+            lambda o, f: _reduce_scatter_single(o, f, group=self.group, async_op=True), [out, full], async_op
         )
 
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor, async_op: bool = False) -> Handle:
@@ -224,7 +230,7 @@ class Comm:
                 async_op,
             )
         src = shard.clone() if mine.data_ptr() == shard.data_ptr() else shard
-        return self._issue(lambda f, x: dist.all_gather_single(f, x, group=self.group, async_op=True), [full, src], async_op)
+        return self._issue(lambda f, x: _all_gather_single(f, x, group=self.group, async_op=True), [full, src], async_op)
 
     def broadcast(self, t: torch.Tensor, src: int = 0) -> None:
         """Synchronous broadcast from group rank ``src`` (used to start all ranks from rank 0's weights)."""
@@ -243,12 +249,12 @@ class Comm:
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
         sizes = torch.zeros(self.world_size, dtype=torch.int64, device=device)
         mine = torch.tensor([data.numel()], dtype=torch.int64, device=device)
-        self._issue(lambda f, x: dist.all_gather_single(f, x, group=self.group, async_op=True), [sizes, mine], False)
+        self._issue(lambda f, x: _all_gather_single(f, x, group=self.group, async_op=True), [sizes, mine], False)
         width = int(sizes.max())
         padded = torch.zeros(width, dtype=torch.uint8, device=device)
         padded[: data.numel()] = data
         full = torch.empty(width * self.world_size, dtype=torch.uint8, device=device)
-        self._issue(lambda f, x: dist.all_gather_single(f, x, group=self.group, async_op=True), [full, padded], False)
+        self._issue(lambda f, x: _all_gather_single(f, x, group=self.group, async_op=True), [full, padded], False)
         full, sizes = full.cpu(), sizes.tolist()
         return [pickle.loads(full[r * width : r * width + sizes[r]].numpy().tobytes()) for r in range(self.world_size)]
 
@@ -256,11 +262,12 @@ class Comm:
         """Group rank ``src``'s ``obj`` on every rank (``obj`` is ignored elsewhere)."""
         return self.all_gather_object(obj if self.rank == src else None)[src]
 
-    def any_true(self, flag: bool, device: torch.device) -> bool:
-        """True on every rank if ``flag`` is true on any rank (fp16 overflow agreement)."""
+    def any_true(self, flag: torch.Tensor) -> bool:
+        """True on every rank if the one-element bool tensor ``flag`` is true on any rank (fp16
+        overflow agreement); one host sync."""
         if self.world_size == 1:
-            return flag
-        t = torch.tensor([1.0 if flag else 0.0], device=device)
+            return bool(flag)
+        t = flag.to(torch.float32).reshape(1)
         self.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t.item() > 0)
 

@@ -34,6 +34,7 @@ from zeroray.engine.loss_scaler import LossScaler
 from zeroray.engine.materialize import InitFn, MetaInit, compute_device, meta_tensor_ids
 from zeroray.engine.offload import NvmeHome, ResidentHome, StateHome, expected_state_count
 from zeroray.engine.param_guard import ParamGuard
+from zeroray.engine.phase_timer import PhaseTimer, StepTimes
 from zeroray.engine.reducer import GradReducer
 from zeroray.engine.schedule import UnitScheduler
 from zeroray.engine.sharded_optim import (
@@ -135,8 +136,9 @@ class ZeroEngine:
         self.micro_step = 0
         self.skipped_steps = 0
         self._backward_since_step = False  # step() without a backward is a no-op, as torch's is
-        self.last_grad_norm: float | None = None
+        self._grad_norm: torch.Tensor | None = None  # read lazily: a float here would sync every step
         self.loss_scaler = LossScaler(config)
+        self._phases = PhaseTimer(self.device)  # forward / backward / optimizer / comm wait, never syncs
         offload = config.offload_optimizer
         self.host_device = torch.device("cpu")
         # Where the fp32 masters live: the device, host memory (CPU offload) or files (NVMe, None).
@@ -258,7 +260,10 @@ class ZeroEngine:
 
     # ------------------------------------------------------------------ training
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
+        if not torch.is_grad_enabled():  # evaluation: not part of a training step's time
+            return self.module(*args, **kwargs)
+        with self._phases.phase("forward"):
+            return self.module(*args, **kwargs)
 
     forward = __call__
 
@@ -295,8 +300,10 @@ class ZeroEngine:
         """Backward of ``loss / gradient_accumulation_steps`` (times the fp16 loss scale)."""
         scale = self.loss_scaler.scale / self.gradient_accumulation_steps
         self.reducer.begin(self.is_gradient_accumulation_boundary())
-        (loss * scale if scale != 1 else loss).backward()
-        self.reducer.finish()
+        with self._phases.phase("backward"):
+            (loss * scale if scale != 1 else loss).backward()
+        with self._phases.phase("comm_wait"):  # the reductions backward could not hide
+            self.reducer.finish()
         if self.scheduler is not None:
             self.scheduler.after_backward()
         self._backward_since_step = True
@@ -313,6 +320,7 @@ class ZeroEngine:
         self.micro_step += 1
         if not boundary:
             return
+        self._phases.start("optimizer")
         trainable = [g for g in self.groups if g.trainable]
         grads = self.optim.grads()
         if self._unscale_and_check(grads):
@@ -326,6 +334,12 @@ class ZeroEngine:
         for g in trainable:
             g.zero_grad()
         self.global_step += 1
+        self._phases.stop("optimizer")
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The global gradient norm before clipping at the last step (None without clipping)."""
+        return None if self._grad_norm is None else float(self._grad_norm)
 
     def _unscale_and_check(self, grads: GradShards) -> bool:
         """Undo the fp16 loss scale; True when some rank's gradients overflowed (the step is skipped)."""
@@ -333,8 +347,10 @@ class ZeroEngine:
             grads.scale_(1.0 / self.loss_scaler.scale)
         overflow = False
         if self.config.precision.loss_scaling:
-            local = any(not torch.isfinite(t).all() for t in grads.each())
-            overflow = self.comm.any_true(local, self.device)
+            # One flag over every group: the skip decision is the step's only host sync.
+            flags = [(~torch.isfinite(t)).any().to(self.device) for t in grads.each()]
+            local = torch.stack(flags).any() if flags else torch.zeros((), dtype=torch.bool, device=self.device)
+            overflow = self.comm.any_true(local)
             self.loss_scaler.update(overflow)
         return overflow
 
@@ -342,7 +358,7 @@ class ZeroEngine:
         """Clip by the global norm over every rank's shard (one scalar all-reduce)."""
         clip = self.config.gradient_clipping
         if clip <= 0:
-            self.last_grad_norm = None
+            self._grad_norm = None
             return
         sq = torch.zeros(1, dtype=torch.float32, device=self.device)
         for t in grads.each():
@@ -350,7 +366,7 @@ class ZeroEngine:
         if self.sharding.shards_optimizer:  # each rank holds a shard of the gradients
             self.comm.sum_scalar(sq)
         norm = sq.sqrt()
-        self.last_grad_norm = float(norm)
+        self._grad_norm = norm
         coef = torch.clamp(clip / (norm + 1e-6), max=1.0)
         grads.scale_(coef)
 
@@ -441,7 +457,8 @@ class ZeroEngine:
         gathers = InFlight(self.config.comm.allgather_bucket_size)
         for g in groups:
             gathers.add(g.publish_master(), g.padded)
-        gathers.wait_all()
+        with self._phases.phase("comm_wait"):
+            gathers.wait_all()
 
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds persistently, by category (master weights count under optimizer)."""
@@ -462,6 +479,12 @@ class ZeroEngine:
         report["host"] = opt["host"] + (0 if on_device else params)
         report["nvme"] = opt["nvme"]
         return report
+
+    def phase_report(self) -> StepTimes:
+        """Mean seconds per optimizer step in forward, backward, optimizer step and exposed
+        communication wait since the previous call; reading it never waits for the device (CUDA
+        times not yet complete count at a later call)."""
+        return self._phases.report()
 
     def comm_report(self) -> dict[str, int]:
         """Cumulative bytes per collective kind since set-up or the last reset."""

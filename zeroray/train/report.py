@@ -15,12 +15,22 @@ from typing import Any
 @dataclass(frozen=True)
 class RankStats:
     """One rank at one report: its engine step (None without ``zt.prepare``), the wall time per
-    optimizer step since its previous report (None at the first), and its memory by category."""
+    optimizer step since its previous report (None at the first), its memory by category, the
+    engine's mean seconds per step by phase (``engine.phase_report()``), its bytes moved per
+    collective kind (``engine.comm_report()``) and to or from its offload tiers (an engine's
+    ``offload_report()``, keyed ``"<tier>:<direction>"``, when it offloads); ``checkpoint_s`` / ``checkpoint_bytes``: how long
+    this report's checkpoint save blocked the loop and the bytes of this rank's shard (None when
+    the report saved none; the driver's copy never has them, the save comes after the exchange)."""
 
     rank: int
     global_step: int | None
     step_time_s: float | None
     memory: dict[str, int] = field(default_factory=dict)
+    phases: dict[str, float] = field(default_factory=dict)
+    comm_bytes: dict[str, int] = field(default_factory=dict)
+    offload_bytes: dict[str, int] = field(default_factory=dict)
+    checkpoint_s: float | None = None
+    checkpoint_bytes: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -12,8 +12,10 @@ collective of its own, see checkpoint_manager.py).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
+import resource
 import time
 from typing import Any
 
@@ -30,6 +32,10 @@ _DONE = "__zeroray_done__"
 
 def _process_rss_bytes() -> int:
     return int(psutil.Process().memory_info().rss)
+
+
+def _process_peak_rss_bytes() -> int:
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
 
 
 def _plain(value: Any) -> Any:
@@ -50,19 +56,42 @@ def _rank_stats(session: Session) -> RankStats:
     step_time = (now - session.last_report_time) / steps if session.last_report_time is not None else None
     session.last_report_time, session.last_global_step = now, global_step
     memory: dict[str, int] = {}
-    if engine is not None and hasattr(engine, "memory_report"):
+    phases: dict[str, float] = {}
+    comm: dict[str, int] = {}
+    offload: dict[str, int] = {}
+    if engine is not None:
         memory = {str(k): int(v) for k, v in engine.memory_report().items() if isinstance(v, numbers.Number)}
+        times = engine.phase_report()
+        phases = times.as_dict() if times.steps else {}
+        comm = {str(k): int(v) for k, v in engine.comm_report().items()}
+        offload_report = getattr(engine, "offload_report", None)  # engines that offload (cpu, nvme) have it
+        if offload_report is not None:
+            offload = {str(k): int(v) for k, v in offload_report().items()}
     device = session.context.device
     if device.type == "cuda":
         memory["cuda_allocated"] = int(torch.cuda.memory_allocated(device))
         memory["cuda_max_allocated"] = int(torch.cuda.max_memory_allocated(device))
     memory["process_rss"] = _process_rss_bytes()
+    memory["process_peak_rss"] = _process_peak_rss_bytes()
     return RankStats(
         rank=session.context.get_world_rank(),
         global_step=global_step if engine is not None else None,
         step_time_s=step_time,
         memory=memory,
+        phases=phases,
+        comm_bytes=comm,
+        offload_bytes=offload,
     )
+
+
+def _save(session: Session, stats: RankStats) -> RankStats:
+    """Save the checkpoint of this report; ``stats`` with how long the loop was blocked and the
+    bytes of this rank's shard."""
+    start = time.perf_counter()
+    checkpoint_manager.save(session)
+    blocked = time.perf_counter() - start
+    nbytes = sum(t.numel() * t.element_size() for gs in session.engine.shard_state() for t in gs.tensors.values())
+    return dataclasses.replace(stats, checkpoint_s=blocked, checkpoint_bytes=int(nbytes))
 
 
 def _exchange(session: Session, item: Any) -> list[Any]:
@@ -109,7 +138,7 @@ def report(metrics: dict[str, Any], checkpoint: bool = False) -> None:
     gathered = _exchange(session, item)
     _check_mismatch(gathered, num_reports=session.num_reports)
     if checkpoint:
-        checkpoint_manager.save(session)
+        stats = _save(session, stats)
     session.num_reports += 1
     session.waiting_in = None
     for callback in session.report_callbacks:

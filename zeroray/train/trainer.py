@@ -122,6 +122,7 @@ class ZeroTrainer:
         """
         from zeroray.train.cluster import check_fits, ensure_ray
         from zeroray.train.controller import Controller
+        from zeroray.train.controller_metrics import ControllerMetrics
         from zeroray.train.failure_policy import FailurePolicy
         from zeroray.train.lease import RunLease
         from zeroray.train.scaling_policy import FixedScalingPolicy
@@ -149,6 +150,7 @@ class ZeroTrainer:
                 scaling_policy=scaling_policy,
                 failure_policy=FailurePolicy(rc.failure_config),
                 lease=lease,
+                callbacks=[ControllerMetrics(rc.name)],
             )
             return self._controller.run()
         finally:
