@@ -421,7 +421,8 @@ def test_nvme_step_peak_rss_is_bounded_by_the_buffer_pool_not_the_states(tmp_pat
     assert plain["growth"][0] > 0.9 * states
     assert nvme["memory"]["host"] == 3 * 3 * (1 << 22)  # buffer_count x (master + 2 moments) x 4 MiB
     assert nvme["memory"]["nvme"] > 1.45 * states  # masters and moments: 12 B per element
-    # The first step also touches the pool's state segments and makes each sub-group's moments
-    # fresh (then copies them into the pool): measured 94 MB here, against 249 MB without offload.
-    assert nvme["growth"][0] < 0.5 * states, nvme
+    # The first step also touches the pool's state segments (24 MB) and lets AdamW make each
+    # sub-group's moments fresh before they are copied into the pool: 94-107 MB measured here,
+    # against 249 MB without offload. From the second step on, nothing grows.
+    assert nvme["growth"][0] < 0.6 * states, nvme
     assert nvme["growth"][1] < 0.1 * states, nvme

@@ -201,7 +201,12 @@ class ZeroEngine:
                     self.comm.broadcast(b, src=0)
 
         # ---- optimizer over the shards
-        self.optim = ShardedOptimizer(template, self.groups, config.sub_group_size, self._state_home(template))
+        home = self._state_home(template)
+        try:
+            self.optim = ShardedOptimizer(template, self.groups, config.sub_group_size, home)
+        except BaseException:
+            home.close()  # e.g. a full disk while writing the swap files: nothing is left behind
+            raise
         self.optimizer = self.optim.optimizer
         self._template_hook = refuse_direct_step(template)  # the user's optimizer would step nothing
         if lr_scheduler is not None:
