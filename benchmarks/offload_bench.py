@@ -139,6 +139,13 @@ def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def _init(module: torch.nn.Module) -> None:
+    """GPT's initialization, and every other module's own (LayerNorm: weight 1, bias 0)."""
+    if hasattr(module, "reset_parameters"):
+        module.reset_parameters()
+    GPT._init_weights(module)
+
+
 def _rank(rank: int, world: int, port: int, spec: dict, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -149,7 +156,7 @@ def _rank(rank: int, world: int, port: int, spec: dict, out: str) -> None:
             model = GPT(cfg)
         t0 = time.perf_counter()
         engine = zeroray.initialize(model, torch.optim.AdamW(model.parameters(), lr=spec["lr"]), spec["zero"],
-                                    init_fn=GPT._init_weights)
+                                    init_fn=_init)
         setup_s = time.perf_counter() - t0
         g = torch.Generator().manual_seed(rank)
         B, T = spec["batch"]
