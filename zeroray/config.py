@@ -167,26 +167,55 @@ class LossScaleConfig:
 
 @dataclass(frozen=True)
 class OffloadConfig:
-    """Where a state lives between uses (DeepSpeed's ``offload_optimizer`` / ``offload_param``)."""
+    """Where a state lives between uses (DeepSpeed's ``offload_optimizer`` / ``offload_param``).
+
+    ``cpu``: host memory (on a CPU-only machine that is the device: nothing moves). ``nvme``: files in
+    ``nvme_path``, a local directory on each worker node (a subdirectory per rank, removed on close).
+    ``buffer_count``: host buffers of one sub-group each that NVMe swapping cycles through (>= 3
+    overlaps the read of the next sub-group and the write of the previous one with the step).
+    ``pin_memory``: page-locked host buffers on CUDA (faster copies; ignored on a CPU-only machine).
+    """
 
     device: OffloadDevice = "none"
     nvme_path: str | None = None
     pin_memory: bool = False
+    buffer_count: int = 4
 
     def problems(self, field: str) -> Problems:
         if self.device not in ("none", "cpu", "nvme"):
             yield f"{field}.device", f"must be 'none', 'cpu' or 'nvme', got {self.device!r}"
-        elif self.device != "none":
-            yield (
-                f"{field}.device",
-                f"{self.device!r}: offload is not available in this version of zeroray yet; use device='none'",
-            )
         if self.nvme_path is not None and not isinstance(self.nvme_path, str):
             yield f"{field}.nvme_path", f"must be a path (a string), got {self.nvme_path!r}"
+        elif self.device == "nvme" and not self.nvme_path:
+            yield f"{field}.nvme_path", "device 'nvme' needs nvme_path, a local directory on each worker node"
         yield from _flag(f"{field}.pin_memory", self.pin_memory)
+        yield from _positive_int(f"{field}.buffer_count", self.buffer_count)
 
 
-_SUB = {"comm": CommConfig, "loss_scaling": LossScaleConfig, "offload_optimizer": OffloadConfig, "offload_param": OffloadConfig}
+@dataclass(frozen=True)
+class OffloadIOConfig:
+    """NVMe swap I/O (DeepSpeed's ``aio`` block). ``block_size``: bytes per request; ``queue_depth``:
+    requests in flight (threads of the pool); ``direct_io``: bypass the page cache with O_DIRECT where
+    the filesystem allows (else buffered I/O whose pages are dropped behind)."""
+
+    block_size: int = 8 << 20
+    queue_depth: int = 4
+    direct_io: bool = True
+
+    def problems(self) -> Problems:
+        if not _is_int(self.block_size) or self.block_size < 4096 or self.block_size % 4096:
+            yield "offload_io.block_size", f"must be a positive multiple of 4096 bytes, got {self.block_size!r}"
+        yield from _positive_int("offload_io.queue_depth", self.queue_depth)
+        yield from _flag("offload_io.direct_io", self.direct_io)
+
+
+_SUB = {
+    "comm": CommConfig,
+    "loss_scaling": LossScaleConfig,
+    "offload_optimizer": OffloadConfig,
+    "offload_param": OffloadConfig,
+    "offload_io": OffloadIOConfig,
+}
 
 
 @dataclass(frozen=True)
@@ -212,6 +241,10 @@ class ZeroConfig:
     loss_scaling: LossScaleConfig = field(default_factory=LossScaleConfig)
     offload_optimizer: OffloadConfig = field(default_factory=OffloadConfig)
     offload_param: OffloadConfig = field(default_factory=OffloadConfig)
+    offload_io: OffloadIOConfig = field(default_factory=OffloadIOConfig)
+    # The optimizer steps this rank's shard in sub-groups of at most this many elements, one after
+    # another (DeepSpeed's key and default); with NVMe offload it sizes the host buffers.
+    sub_group_size: int = 1_000_000_000
 
     def __post_init__(self) -> None:
         problems: list[tuple[str, str]] = []
@@ -255,7 +288,7 @@ class ZeroConfig:
         clip = self.gradient_clipping
         if not _is_number(clip) or not math.isfinite(clip) or clip < 0:
             yield "gradient_clipping", f"must be a finite number >= 0 (0 = off), got {clip!r}"
-        for name, sub in (("comm", self.comm), ("loss_scaling", self.loss_scaling)):
+        for name, sub in (("comm", self.comm), ("loss_scaling", self.loss_scaling), ("offload_io", self.offload_io)):
             if isinstance(sub, _SUB[name]):
                 yield from sub.problems()
             else:
@@ -266,6 +299,8 @@ class ZeroConfig:
                 yield from sub.problems(name)
             else:
                 yield name, f"must be an OffloadConfig or a dict, got {sub!r}"
+        yield from _positive_int("sub_group_size", self.sub_group_size, "a positive number of elements")
+        yield from self._offload_problems()
         if self.units is not None and (
             not isinstance(self.units, tuple) or not all(isinstance(u, str) for u in self.units)
         ):
@@ -274,6 +309,22 @@ class ZeroConfig:
             yield from optimizer_spec_problems(self.optimizer)
         if self.scheduler is not None:
             yield from scheduler_spec_problems(self.scheduler)
+
+    def _offload_problems(self) -> Problems:
+        opt, par = self.offload_optimizer, self.offload_param
+        if not isinstance(opt, OffloadConfig) or not isinstance(par, OffloadConfig) or isinstance(self.stage, bool):
+            return
+        if opt.device in ("cpu", "nvme") and self.stage == 0:
+            yield "offload_optimizer.device", (
+                f"{opt.device!r} needs a sharded optimizer (stage 1, 2 or 3); stage 0 keeps it whole on every rank"
+            )
+        if par.device in ("cpu", "nvme") and self.stage != 3:
+            yield "offload_param.device", f"{par.device!r} needs stage 3 (sharded parameters), got stage {self.stage!r}"
+        if par.device == "nvme":
+            yield "offload_param.device", (
+                "'nvme' is not implemented for parameters yet; use 'cpu' (and offload_optimizer.device='nvme' for "
+                "the optimizer states, which are most of the bytes)"
+            )
 
     # ------------------------------------------------------------------ batch sizes
     def resolve_batch(self, world_size: int) -> ZeroConfig:

@@ -152,6 +152,11 @@ TABLE: dict[str, Entry] = {
     "zero_optimization.offload_param.device": Field("offload_param.device"),
     "zero_optimization.offload_param.nvme_path": Field("offload_param.nvme_path"),
     "zero_optimization.offload_param.pin_memory": Field("offload_param.pin_memory"),
+    "zero_optimization.offload_optimizer.buffer_count": Field("offload_optimizer.buffer_count", _int),
+    "zero_optimization.offload_param.buffer_count": Field("offload_param.buffer_count", _int),
+    "zero_optimization.sub_group_size": Field("sub_group_size", _int),
+    "aio.block_size": Field("offload_io.block_size", _int),
+    "aio.queue_depth": Field("offload_io.queue_depth", _int),
     "zero_optimization.cpu_offload": Field(
         "offload_optimizer.device", _switch("cpu"), note="deprecated spelling: true = offload_optimizer.device cpu"
     ),
@@ -192,7 +197,10 @@ TABLE: dict[str, Entry] = {
     "zero_allow_comm_data_type_fp32": Ignored("only an allowance for communication_data_type, which needs none"),
     "dataloader_drop_last": Ignored("zeroray builds no data loader"),
     "checkpoint": Ignored("DeepSpeed checkpoint-format options; zeroray checkpoints load at any world size and stage"),
-    "aio": Ignored("NVMe I/O tuning for DeepSpeed's offload"),
+    "aio.thread_count": Ignored("zeroray's swap I/O runs queue_depth requests on its own thread pool"),
+    "aio.single_submit": Ignored("a libaio submission detail; zeroray's thread pool submits each request alone"),
+    "aio.overlap_events": Ignored("a libaio detail; zeroray always overlaps swap reads and writes with the step"),
+    "aio.use_gds": Refused("GPUDirect Storage is not implemented"),
     "autotuning": Ignored("zeroray has no autotuner; the config is used as written"),
     "compile": Ignored("zeroray does not compile the model; call torch.compile yourself"),
     "graph_harvesting": Ignored("CUDA-graph knob of DeepSpeed's engine; no effect on numerics"),
@@ -204,13 +212,17 @@ TABLE: dict[str, Entry] = {
     "zero_optimization.contiguous_gradients": Ignored("zeroray always uses flat contiguous gradient buffers"),
     "zero_optimization.allgather_partitions": Ignored("zeroray always all-gathers (see all_gather_by_broadcast)"),
     "zero_optimization.round_robin_gradients": Ignored(_OFFLOAD_TUNING),
-    "zero_optimization.sub_group_size": Ignored(_OFFLOAD_TUNING),
     **{
-        f"zero_optimization.{block}.{knob}": Ignored(_OFFLOAD_TUNING)
+        f"zero_optimization.{block}.{knob}": Ignored(why)
         for block in ("offload_optimizer", "offload_param")
-        for knob in (
-            "buffer_count", "buffer_size", "max_in_cpu", "fast_init", "pipeline", "pipeline_read",
-            "pipeline_write", "cpuadam_cores_perc",
+        for knob, why in (
+            ("buffer_size", "zeroray sizes swap buffers by sub_group_size"),
+            ("max_in_cpu", "zeroray keeps no parameter cache in host memory beside the swap buffers"),
+            ("fast_init", "a DeepSpeed set-up shortcut; zeroray writes the swap files once at set-up either way"),
+            ("pipeline", "zeroray always reads ahead and writes behind the optimizer step"),
+            ("pipeline_read", "zeroray always reads ahead of the optimizer step"),
+            ("pipeline_write", "zeroray always writes behind the optimizer step"),
+            ("cpuadam_cores_perc", "zeroray steps with the torch optimizer on the threads torch uses"),
         )
     },
     **{

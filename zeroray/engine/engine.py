@@ -32,18 +32,20 @@ from zeroray.engine.flat_group import FlatGroup
 from zeroray.engine.layout import TensorSlot
 from zeroray.engine.loss_scaler import LossScaler
 from zeroray.engine.materialize import InitFn, MetaInit, compute_device, meta_tensor_ids
+from zeroray.engine.offload import NvmeHome, ResidentHome, StateHome, expected_state_count
 from zeroray.engine.param_guard import ParamGuard
 from zeroray.engine.phase_timer import PhaseTimer, StepTimes
 from zeroray.engine.reducer import GradReducer
 from zeroray.engine.schedule import UnitScheduler
 from zeroray.engine.sharded_optim import (
+    GradShards,
     OptimizerArg,
+    ShardedOptimizer,
     param_group_index,
     refuse_direct_step,
-    shard_optimizer,
-    state_tensors,
     template_optimizer,
 )
+from zeroray.engine.swap import SwapDir, check_nvme_path
 from zeroray.engine.unit import Unit
 
 
@@ -112,6 +114,12 @@ class ZeroEngine:
         group_of = param_group_index(model, template)
         if lr_scheduler is not None and not callable(lr_scheduler):
             raise TypeError("lr_scheduler must be a callable optimizer -> scheduler")
+        if config.offload_optimizer.device == "nvme":  # a bad nvme_path fails here, before any work
+            check_nvme_path(
+                config.offload_optimizer.nvme_path,
+                "offload_optimizer.nvme_path",
+                _swap_bytes(model, template, world, config.sub_group_size),
+            )
 
         self.module = model
         self.stage = config.stage
@@ -131,6 +139,13 @@ class ZeroEngine:
         self._grad_norm: torch.Tensor | None = None  # read lazily: a float here would sync every step
         self.loss_scaler = LossScaler(config)
         self._phases = PhaseTimer(self.device)  # forward / backward / optimizer / comm wait, never syncs
+        offload = config.offload_optimizer
+        self.host_device = torch.device("cpu")
+        # Where the fp32 masters live: the device, host memory (CPU offload) or files (NVMe, None).
+        self._master_device: torch.device | None = {
+            "none": self.device, "cpu": self.host_device, "nvme": None
+        }[offload.device]
+        self._shard_device = self.host_device if config.offload_param.device == "cpu" else self.device
 
         # ---- layout (stages 0-2: a meta model is first materialized whole, the same on every rank)
         if meta_init is not None and not sharding.shards_params:
@@ -186,7 +201,13 @@ class ZeroEngine:
                     self.comm.broadcast(b, src=0)
 
         # ---- optimizer over the shards
-        self.optimizer, self._owner = shard_optimizer(template, self.groups)
+        home = self._state_home(template)
+        try:
+            self.optim = ShardedOptimizer(template, self.groups, config.sub_group_size, home)
+        except BaseException:
+            home.close()  # e.g. a full disk while writing the swap files: nothing is left behind
+            raise
+        self.optimizer = self.optim.optimizer
         self._template_hook = refuse_direct_step(template)  # the user's optimizer would step nothing
         if lr_scheduler is not None:
             self.lr_scheduler = lr_scheduler(self.optimizer)
@@ -225,7 +246,22 @@ class ZeroEngine:
         if any(id(p) not in meta for p in g.params):
             g.sync_from_rank0()
         floating = g.compute_dtype.is_floating_point
-        g.install(master_dtype=self.master_dtype if floating else g.compute_dtype)
+        g.install(
+            master_dtype=self.master_dtype if floating else g.compute_dtype,
+            master_device=self._master_device or self.host_device,
+            shard_device=self._shard_device,
+            keep_master=self._master_device is not None,
+            pin_memory=self.config.offload_optimizer.pin_memory or self.config.offload_param.pin_memory,
+        )
+
+    def _state_home(self, template: torch.optim.Optimizer) -> StateHome:
+        """Where the optimizer's masters and states live (the one place that decides)."""
+        offload = self.config.offload_optimizer
+        if offload.device != "nvme":
+            return ResidentHome(self.device, self._master_device, offload.pin_memory)
+        io = self.config.offload_io
+        swap = SwapDir(offload.nvme_path, self.rank, io.queue_depth, io.direct_io, io.block_size)
+        return NvmeHome(swap, offload.buffer_count, self.host_device, expected_state_count(template))
 
     # ------------------------------------------------------------------ training
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -291,31 +327,16 @@ class ZeroEngine:
             return
         self._phases.start("optimizer")
         trainable = [g for g in self.groups if g.trainable]
-        # One cast from the reduce dtype into the optimizer's (fp32) gradients.
-        grads = {g: g.grad_shard if g.grad_shard.dtype == g.master.dtype else g.grad_shard.to(g.master.dtype) for g in trainable}
-        if self.loss_scaler.scale != 1.0:
-            inv = 1.0 / self.loss_scaler.scale
-            for t in grads.values():
-                t.mul_(inv)
-        overflow = False
-        if self.config.precision.loss_scaling:
-            # One flag over every group: the skip decision is the step's only host sync.
-            flags = [(~torch.isfinite(t)).any() for t in grads.values()]
-            local = torch.stack(flags).any() if flags else torch.zeros((), dtype=torch.bool, device=self.device)
-            overflow = self.comm.any_true(local)
-            self.loss_scaler.update(overflow)
-        if overflow:
+        grads = self.optim.grads()
+        if self._unscale_and_check(grads):
             self.skipped_steps += 1
         else:
             self._clip(grads)
-            for g, t in grads.items():
-                g.opt_param.grad = t
-            self.optimizer.step()
+            self.optim.step(grads)
             self._publish(trainable)
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         for g in trainable:
-            g.opt_param.grad = None
             g.zero_grad()
         self.global_step += 1
         self._phases.stop("optimizer")
@@ -325,29 +346,41 @@ class ZeroEngine:
         """The global gradient norm before clipping at the last step (None without clipping)."""
         return None if self._grad_norm is None else float(self._grad_norm)
 
-    def _clip(self, grads: dict[FlatGroup, torch.Tensor]) -> None:
+    def _unscale_and_check(self, grads: GradShards) -> bool:
+        """Undo the fp16 loss scale; True when some rank's gradients overflowed (the step is skipped)."""
+        if self.loss_scaler.scale != 1.0:
+            grads.scale_(1.0 / self.loss_scaler.scale)
+        overflow = False
+        if self.config.precision.loss_scaling:
+            # One flag over every group: the skip decision is the step's only host sync.
+            flags = [(~torch.isfinite(t)).any().to(self.device) for t in grads.each()]
+            local = torch.stack(flags).any() if flags else torch.zeros((), dtype=torch.bool, device=self.device)
+            overflow = self.comm.any_true(local)
+            self.loss_scaler.update(overflow)
+        return overflow
+
+    def _clip(self, grads: GradShards) -> None:
         """Clip by the global norm over every rank's shard (one scalar all-reduce)."""
         clip = self.config.gradient_clipping
         if clip <= 0:
             self._grad_norm = None
             return
         sq = torch.zeros(1, dtype=torch.float32, device=self.device)
-        for t in grads.values():
-            sq += t.pow(2).sum()
+        for t in grads.each():
+            sq += t.pow(2).sum().to(self.device)
         if self.sharding.shards_optimizer:  # each rank holds a shard of the gradients
             self.comm.sum_scalar(sq)
         norm = sq.sqrt()
         self._grad_norm = norm
         coef = torch.clamp(clip / (norm + 1e-6), max=1.0)
-        for t in grads.values():
-            t.mul_(coef)
+        grads.scale_(coef)
 
     # ------------------------------------------------------------------ state
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: the full fp32 weights, {name: CPU tensor}, on every rank."""
         out: dict[str, torch.Tensor] = {}
         for g in self.groups:
-            mine = g.master_or_shard_fp32()
+            mine = self.optim.master(g).to(self.device)
             if g.shard_world == 1:
                 flat = mine
             else:
@@ -366,25 +399,16 @@ class ZeroEngine:
         """
         out = []
         for g in self.groups:
-            tensors = {"weight": g.master_or_shard_fp32()}
+            tensors = {"weight": self.optim.master(g)}
             if g.trainable:
-                for k, v in self.optimizer.state.get(g.opt_param, {}).items():
-                    if torch.is_tensor(v) and v.dim() > 0:
-                        tensors[k] = v.reshape(-1)
+                tensors.update(self.optim.states(g))
             out.append(GroupShard(g.name, g.slots, g.numel, g.shard_world, g.shard_rank, g.lo, g.hi, g.param_group, tensors))
         return out
 
     def state_meta(self) -> dict[str, Any]:
         """JSON-able engine state beside the shards: counters, loss scale, LR scheduler, per param
         group optimizer scalars (e.g. Adam's step) and hyperparameters."""
-        scalars: list[dict[str, float]] = []
-        for group in self.optimizer.param_groups:
-            found: dict[str, float] = {}
-            for p in group["params"]:
-                for k, v in self.optimizer.state.get(p, {}).items():
-                    if not torch.is_tensor(v) or v.dim() == 0:  # e.g. Adam's step
-                        found[k] = float(v)
-            scalars.append(found)
+        scalars = self.optim.scalars()  # per param group, e.g. Adam's step
         return {
             "global_step": self.global_step,
             "micro_step": self.micro_step,
@@ -411,21 +435,13 @@ class ZeroEngine:
         with torch.no_grad():
             for g in self.groups:
                 mine = tensors[g.name]
-                target = g.master if g.master is not None else g.shard
-                target.copy_(mine["weight"].reshape(-1))
-                if g.trainable:
-                    gi = g.param_group
-                    state: dict[str, Any] = {
-                        k: v.reshape(-1).to(device=self.device, dtype=g.master.dtype)
-                        for k, v in mine.items()
-                        if k != "weight"
-                    }
-                    for k, v in meta.get("optimizer_scalars", [{}] * (gi + 1))[gi].items():
-                        state[k] = torch.tensor(v, dtype=torch.float32)
-                    if state:
-                        self.optimizer.state[g.opt_param] = state
-                    else:
-                        self.optimizer.state.pop(g.opt_param, None)
+                weight = mine["weight"].reshape(-1)
+                if not g.trainable:
+                    g.shard.copy_(weight)
+                    continue
+                gi = g.param_group
+                states = {k: v.reshape(-1) for k, v in mine.items() if k != "weight"}
+                self.optim.load(g, weight, states, meta.get("optimizer_scalars", [{}] * (gi + 1))[gi])
             self._publish(self.groups)
         # Hyperparameters an LR scheduler changed (lr, ...), as torch's Optimizer.load_state_dict does.
         for group, saved in zip(self.optimizer.param_groups, meta.get("param_groups", [])):
@@ -451,22 +467,23 @@ class ZeroEngine:
 
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds persistently, by category (master weights count under optimizer)."""
-        opt_state = sum(t.numel() * t.element_size() for t in state_tensors(self.optimizer, self._all_opt_params()))
-        master = sum(g.master_bytes() for g in self.groups)
+        opt = self.optim.memory()
+        on_device = self._shard_device == self.device
+        params = sum(g.param_bytes() for g in self.groups)
         report = {
-            "params": sum(g.param_bytes() for g in self.groups),
+            "params": params if on_device else 0,
             "grads": sum(g.grad_bytes() for g in self.groups),
-            "optimizer": master + opt_state,
+            "optimizer": opt["master"] + opt["states"],
             "buffers": sum(b.numel() * b.element_size() for b in self.module.buffers()),
         }
-        report["master_weights"] = master
+        report["master_weights"] = opt["master"]
         report["grad_buffers_cached"] = self.reducer.cached_bytes()  # reused temporaries, stages 2-3
-        report["optimizer_states"] = opt_state
+        report["optimizer_states"] = opt["states"]
         report["total"] = report["params"] + report["grads"] + report["optimizer"] + report["buffers"]
+        # Offload: bytes kept off the device, in host memory and in swap files (not in "total").
+        report["host"] = opt["host"] + (0 if on_device else params)
+        report["nvme"] = opt["nvme"]
         return report
-
-    def _all_opt_params(self) -> list[nn.Parameter]:
-        return [p for group in self.optimizer.param_groups for p in group["params"]]
 
     def phase_report(self) -> StepTimes:
         """Mean seconds per optimizer step in forward, backward, optimizer step and exposed
@@ -514,6 +531,8 @@ class ZeroEngine:
                     for g in groups:
                         self.comm.broadcast(g.full, src=modifier_rank)
                         g.adopt_full()
+                        if g.trainable and g.master is None:  # the master is in a swap file
+                            self.optim.adopt(g, g.full[g.lo : g.hi])
         finally:
             for u in units:
                 u.release()
@@ -531,9 +550,19 @@ class ZeroEngine:
         if self._guard is not None:
             self._guard.remove()
         self._template_hook.remove()
+        self.optim.close()
         for m in self.module.modules():
             if _HELD.get(m) is self:
                 del _HELD[m]
+
+
+def _swap_bytes(model: nn.Module, template: torch.optim.Optimizer, world: int, sub_group_size: int) -> int:
+    """An upper bound of this rank's NVMe swap bytes: its fp32 share of the trainable parameters
+    times (master + the optimizer's states), with the 4 KiB padding of every sub-group."""
+    numel = sum(p.numel() for p in {id(p): p for p in model.parameters() if p.requires_grad}.values())
+    mine = -(-numel // world) + world  # padding
+    subs = -(-mine // sub_group_size) + len(list(model.parameters()))
+    return (1 + expected_state_count(template)) * (4 * mine + 4096 * subs)
 
 
 def initialize(

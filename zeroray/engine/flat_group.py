@@ -121,21 +121,51 @@ class FlatGroup:
             if lo < hi:
                 self.shard[lo - self.lo : hi - self.lo].copy_(flat[lo - slot.offset : hi - slot.offset])
 
-    def install(self, master_dtype: torch.dtype) -> None:
-        """Point the parameters at ``full``, cut this rank's shard, make master and grad buffers."""
+    def install(
+        self,
+        master_dtype: torch.dtype,
+        master_device: torch.device | None = None,
+        shard_device: torch.device | None = None,
+        *,
+        keep_master: bool = True,
+        pin_memory: bool = False,
+    ) -> None:
+        """Point the parameters at ``full``, cut this rank's shard, make master and grad buffers.
+
+        ``master_device``: where the fp32 master lives (host memory under CPU offload; default the
+        device); ``keep_master=False`` when the optimizer keeps it elsewhere (NVMe files).
+        ``shard_device``: where a sharded compute shard lives between gathers (host memory under
+        parameter offload; default the device). ``pin_memory``: host copies of a CUDA group are
+        page-locked (faster, asynchronous copies)."""
+        pin = pin_memory and self.device.type == "cuda"
+        master_device = self.device if master_device is None else master_device
+        shard_device = self.device if shard_device is None or not self.sharding.shards_params else shard_device
         if not self._built_sharded:  # else the shard is already filled and full has no storage
             self._point_params_at_full()
             if self.sharding.shards_params:
-                self.shard = self.full[self.lo : self.hi].clone()
+                self.shard = self.full[self.lo : self.hi].to(shard_device, copy=True)
+                if pin and shard_device.type == "cpu":
+                    self.shard = self.shard.pin_memory()
             else:
                 self.shard = self.full[self.lo : self.hi]
+        elif shard_device != self.device:
+            self.shard = self.shard.to(shard_device)
+            if pin and shard_device.type == "cpu":
+                self.shard = self.shard.pin_memory()
         self.grads: GradBuffer | None = None  # the persistent full gradient buffer (unsharded grads)
         if not self.trainable:
             self.master = None
             self.grad_shard = None
         else:
             # Plain fp32 without a copy updates the compute shard in place; other cases keep an fp32 copy.
-            self.master = self.shard if master_dtype == self.compute_dtype else self.shard.to(master_dtype)
+            if not keep_master:
+                self.master = None
+            elif master_dtype == self.compute_dtype and master_device == self.shard.device:
+                self.master = self.shard
+            else:
+                self.master = self.shard.to(device=master_device, dtype=master_dtype, copy=True)
+                if pin and master_device.type == "cpu":
+                    self.master = self.master.pin_memory()
             if not self.sharding.shards_grads:
                 data = torch.zeros(self.padded, dtype=self.reduce_dtype, device=self.device)
                 self.grads = GradBuffer(data, self.slots, self.numel)
@@ -164,7 +194,9 @@ class FlatGroup:
         if self.state is not ParamState.FREED:
             return
         self.full.untyped_storage().resize_(self.padded * self.full.element_size())
-        self._gather = self.comm.all_gather(self.full, self.shard, async_op=True)
+        # An offloaded shard comes to the device first (on a CPU-only machine it is there already).
+        shard = self.shard if self.shard.device == self.device else self.shard.to(self.device, non_blocking=True)
+        self._gather = self.comm.all_gather(self.full, shard, async_op=True)
         self.state = ParamState.GATHERING
 
     def wait_gather(self) -> None:
@@ -249,8 +281,9 @@ class FlatGroup:
         mine = self.full[self.lo : self.hi]
         with torch.no_grad():
             if self.master is not None and self.master is not self.shard:
-                changed = mine != self.master.to(self.compute_dtype)
-                self.master.copy_(torch.where(changed, mine.to(self.master.dtype), self.master))
+                mine_there = mine.to(self.master.device)
+                changed = mine_there != self.master.to(self.compute_dtype)
+                self.master.copy_(torch.where(changed, mine_there.to(self.master.dtype), self.master))
             if self.sharding.shards_params:  # else the shard is a view of full
                 self.shard.copy_(mine)
 

@@ -1,17 +1,28 @@
-"""Rebuild the user's optimizer over this rank's shards.
+"""The optimizer over this rank's shards: one object that owns the fp32 masters, the fp32
+gradients it steps with and the torch optimizer, and steps them sub-group by sub-group.
 
 The user builds an optimizer over ``model.parameters()`` (or passes a callable, or names one in the
 config). zeroray keeps its class, its param groups and their hyperparameters, and builds the same
-optimizer over the flat fp32 master shards this rank owns, one shard list per param group, so a
-no-weight-decay group stays one group and an LR scheduler sees the groups the user made.
+optimizer over the flat fp32 master shards this rank owns, so a no-weight-decay group stays one
+group and an LR scheduler sees the groups the user made.
+
+The master shards are cut into *sub-groups* of at most ``sub_group_size`` elements (DeepSpeed's
+key): consecutive slices of consecutive flat groups, each slice one parameter of the torch
+optimizer. :meth:`ShardedOptimizer.step` steps them one after another, giving a gradient only to
+the current sub-group's parameters (torch optimizers skip parameters without one). That loop is
+where offload plugs in: where a sub-group's master and states live between steps is a
+:class:`~zeroray.engine.offload.StateHome` (device memory, host memory, or NVMe files with
+read-ahead and write-behind). Elementwise optimizers (Adam, AdamW, SGD, ...) give the same bits
+whatever the sub-group size.
 """
 
 from __future__ import annotations
 
 import inspect
 import warnings
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -19,6 +30,9 @@ from torch.utils.hooks import RemovableHandle
 
 from zeroray.config import ZeroConfig
 from zeroray.engine.flat_group import FlatGroup
+
+if TYPE_CHECKING:
+    from zeroray.engine.offload import StateHome
 
 OptimizerArg = torch.optim.Optimizer | Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None
 
@@ -102,29 +116,213 @@ def _constructor_kwargs(cls: type, defaults: dict) -> dict:
     return {k: v for k, v in defaults.items() if k in params}
 
 
-def shard_optimizer(
-    template: torch.optim.Optimizer, groups: Sequence[FlatGroup]
-) -> tuple[torch.optim.Optimizer, dict[int, FlatGroup]]:
-    """The template's optimizer class over the master shards; also id(shard param) -> FlatGroup."""
-    owner: dict[int, FlatGroup] = {}
-    per_group: list[list[nn.Parameter]] = [[] for _ in template.param_groups]
+
+@dataclass(frozen=True)
+class Piece:
+    """A contiguous slice ``[lo, hi)`` of one flat group's master shard: one torch parameter."""
+
+    group: FlatGroup
+    lo: int
+    hi: int
+    param: nn.Parameter
+
+    @property
+    def numel(self) -> int:
+        return self.hi - self.lo
+
+
+@dataclass(frozen=True)
+class SubGroup:
+    """Pieces stepped together; at most ``sub_group_size`` elements."""
+
+    index: int
+    pieces: tuple[Piece, ...]
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel for p in self.pieces)
+
+
+def plan_sub_groups(groups: Sequence[FlatGroup], sub_group_size: int) -> list[list[tuple[FlatGroup, int, int]]]:
+    """Consecutive ``(group, lo, hi)`` slices of the trainable groups' shards, packed in order into
+    sub-groups of at most ``sub_group_size`` elements (a group larger than that is split)."""
+    subs: list[list[tuple[FlatGroup, int, int]]] = []
+    cur: list[tuple[FlatGroup, int, int]] = []
+    room = sub_group_size
     for g in groups:
-        if g.trainable:
-            p = nn.Parameter(g.master, requires_grad=True)  # shares g.master's storage
-            g.opt_param = p
-            owner[id(p)] = g
-            per_group[g.param_group].append(p)
-    new_groups = [
-        {**{k: v for k, v in tg.items() if k != "params"}, "params": ps}
-        for tg, ps in zip(template.param_groups, per_group)
-    ]
-    cls = type(template)
-    return cls(new_groups, **_constructor_kwargs(cls, template.defaults)), owner
+        if not g.trainable:
+            continue
+        lo = 0
+        while True:
+            hi = min(g.shard_numel, lo + room)
+            cur.append((g, lo, hi))
+            room -= hi - lo
+            lo = hi
+            if room == 0:
+                subs.append(cur)
+                cur, room = [], sub_group_size
+            if lo >= g.shard_numel:
+                break
+    if cur:
+        subs.append(cur)
+    return subs
 
 
-def state_tensors(optimizer: torch.optim.Optimizer, params: Iterable[nn.Parameter]) -> Iterable[torch.Tensor]:
-    """The optimizer's state tensors for ``params`` (for memory accounting)."""
-    for p in params:
-        for v in optimizer.state.get(p, {}).values():
-            if torch.is_tensor(v):
-                yield v
+def _mul(t: torch.Tensor, factor: float | torch.Tensor) -> None:
+    t.mul_(factor.to(t.device) if torch.is_tensor(factor) else factor)
+
+
+class GradShards:
+    """The gradient shards the optimizer steps with: ``source(g)`` (the fp32 cast of ``g``'s reduced
+    shard, where the optimizer runs) times the factors given to :meth:`scale_`, in order.
+
+    Eager: one fp32 tensor per group, made at once and scaled in place (the gradient shard itself
+    when it is fp32 already). Lazy (NVMe offload with a 16-bit reduce dtype): each sub-group's fp32
+    gradients are made only when it is stepped, so a rank never holds its whole fp32 gradient shard;
+    the same elementwise casts and multiplications in the same order give the same bits.
+    """
+
+    def __init__(self, groups: Sequence[FlatGroup], source: Callable[[FlatGroup], torch.Tensor], lazy: bool):
+        self.groups = groups
+        self._source = source
+        self._lazy = lazy
+        self._factors: list[float | torch.Tensor] = []
+        self._eager = {} if lazy else {g: source(g) for g in groups}
+
+    def scale_(self, factor: float | torch.Tensor) -> None:
+        if self._lazy:
+            self._factors.append(factor)
+        else:
+            for t in self._eager.values():
+                _mul(t, factor)
+
+    def _made(self, t: torch.Tensor) -> torch.Tensor:
+        for f in self._factors:
+            _mul(t, f)
+        return t
+
+    def each(self) -> Iterator[torch.Tensor]:
+        """Each group's scaled fp32 gradients (lazy: a temporary at a time)."""
+        for g in self.groups:
+            yield self._eager[g] if not self._lazy else self._made(self._source(g))
+
+    def piece(self, g: FlatGroup, lo: int, hi: int) -> torch.Tensor:
+        if not self._lazy:
+            return self._eager[g][lo:hi]
+        return self._made(self._source(g, lo, hi))
+
+
+class ShardedOptimizer:
+    """The fp32 masters, gradients and torch optimizer of this rank's shards, stepped by sub-group.
+
+    ``home`` decides where masters and optimizer states live between steps; the rest of the engine
+    asks this object for them (:meth:`master`, :meth:`states`, :meth:`load`) and never looks.
+    """
+
+    def __init__(
+        self,
+        template: torch.optim.Optimizer,
+        groups: Sequence[FlatGroup],
+        sub_group_size: int,
+        home: StateHome,
+    ):
+        self.groups = [g for g in groups if g.trainable]
+        self.home = home
+        plan = plan_sub_groups(self.groups, sub_group_size)
+        home.attach(self.groups)
+        per_group: list[list[nn.Parameter]] = [[] for _ in template.param_groups]
+        subs = []
+        self.pieces_of: dict[FlatGroup, list[Piece]] = {g: [] for g in self.groups}
+        for i, slices in enumerate(plan):
+            pieces = []
+            for g, lo, hi in slices:
+                piece = Piece(g, lo, hi, nn.Parameter(home.param_data(g, lo, hi), requires_grad=True))
+                pieces.append(piece)
+                per_group[g.param_group].append(piece.param)
+                self.pieces_of[g].append(piece)
+            subs.append(SubGroup(i, tuple(pieces)))
+        self.sub_groups = subs
+        new_groups = [
+            {**{k: v for k, v in tg.items() if k != "params"}, "params": ps}
+            for tg, ps in zip(template.param_groups, per_group)
+        ]
+        cls = type(template)
+        self.optimizer = cls(new_groups, **_constructor_kwargs(cls, template.defaults))
+        home.prepare(self.sub_groups, self.optimizer)
+
+    # ------------------------------------------------------------------ the step
+    def grads(self) -> GradShards:
+        """This rank's gradient shards as the optimizer will read them (fp32, where it steps)."""
+        return GradShards(self.groups, self.home.grad, lazy=self.home.lazy_grads)
+
+    def step(self, grads: GradShards) -> None:
+        """Step every sub-group in turn with ``grads`` (unscaled and clipped), and write the updated
+        masters into the compute shards (cast)."""
+        for sub, _ in self.home.cycle(self.sub_groups, self.optimizer):
+            for piece in sub.pieces:
+                piece.param.grad = grads.piece(piece.group, piece.lo, piece.hi)
+            self.optimizer.step()
+            for piece in sub.pieces:
+                piece.param.grad = None
+            self.home.publish(sub)
+
+    # ------------------------------------------------------------------ state
+    def master(self, g: FlatGroup) -> torch.Tensor:
+        """``g``'s fp32 master shard (frozen groups: their shard cast); a live tensor where it is
+        resident, a fresh one read from its file otherwise."""
+        if not g.trainable:
+            return g.master_or_shard_fp32()
+        return self.home.master(g)
+
+    def states(self, g: FlatGroup) -> dict[str, torch.Tensor]:
+        """``g``'s elementwise optimizer states, each a 1-D tensor over its whole shard."""
+        pieces = self.pieces_of[g]
+        per_piece = [self.home.states(p, self.optimizer) for p in pieces]
+        keys = per_piece[0].keys() if per_piece else ()
+        if len(pieces) == 1:
+            return dict(per_piece[0])
+        return {k: torch.cat([s[k] for s in per_piece]) for k in keys}
+
+    def scalars(self) -> list[dict[str, float]]:
+        """Per param group, the optimizer's scalar states (e.g. Adam's step)."""
+        out: list[dict[str, float]] = []
+        for group in self.optimizer.param_groups:
+            found: dict[str, float] = {}
+            for p in group["params"]:
+                for k, v in self.optimizer.state.get(p, {}).items():
+                    if not torch.is_tensor(v) or v.dim() == 0:
+                        found[k] = float(v)
+            out.append(found)
+        return out
+
+    def load(self, g: FlatGroup, weight: torch.Tensor, states: dict[str, torch.Tensor], scalars: dict[str, float]) -> None:
+        """Install ``g``'s master (fp32 values of its shard) and optimizer states (none: fresh)."""
+        for piece in self.pieces_of[g]:
+            part = {k: v[piece.lo : piece.hi] for k, v in states.items()}
+            self.home.load(piece, weight[piece.lo : piece.hi], part, scalars, self.optimizer)
+        if g.master is None:  # kept in files: the compute shard takes the values now
+            g.shard.copy_(weight)
+
+    def set_master(self, g: FlatGroup, values: torch.Tensor) -> None:
+        """Overwrite ``g``'s master with ``values`` (its optimizer states stay)."""
+        for piece in self.pieces_of[g]:
+            self.home.set_master(piece, values[piece.lo : piece.hi], self.optimizer)
+
+    def adopt(self, g: FlatGroup, mine: torch.Tensor) -> None:
+        """``mine`` (compute dtype) was written into ``g``'s slice by the user: elements that differ
+        from the master's cast take it, the others keep their fp32 value (as FlatGroup.adopt_full)."""
+        master = self.master(g)
+        mine = mine.to(master.device)
+        changed = mine != master.to(mine.dtype)
+        self.set_master(g, torch.where(changed, mine.to(master.dtype), master))
+
+    def memory(self) -> dict[str, int]:
+        """Bytes of masters and optimizer states, by where they are: see :meth:`StateHome.memory`."""
+        return self.home.memory(self.sub_groups, self.optimizer)
+
+    def io_report(self) -> dict[str, float]:
+        """NVMe offload: bytes read and written and seconds the step waited for them, cumulative."""
+        return self.home.io_report()
+
+    def close(self) -> None:
+        self.home.close()

@@ -1,0 +1,441 @@
+"""Where the sharded optimizer's fp32 masters and states live between steps: one decision.
+
+- :class:`ResidentHome`: in memory, on the compute device (no offload) or in host memory
+  (``offload_optimizer.device="cpu"``). The torch optimizer's parameters are views of each flat
+  group's master; its states are its own tensors. On a CPU-only machine host memory *is* the
+  device, so CPU offload is this same path with no copy at all.
+- :class:`NvmeHome`: in swap files (``offload_optimizer.device="nvme"``), one per sub-group. Host
+  memory holds a fixed pool of ``buffer_count`` aligned buffers, each one sub-group's master and
+  states: while sub-group i is stepped, i+1 is read into the next buffer and i-1 is written back
+  from the one before (with ``buffer_count`` >= 3 all three overlap). The last writes of a step
+  finish behind the next forward and backward; anything that reads the states waits for them.
+
+:class:`~zeroray.engine.sharded_optim.ShardedOptimizer` drives a home through :meth:`StateHome.cycle`
+and never knows which one it has.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
+from typing import TYPE_CHECKING
+
+import torch
+
+from zeroray.engine.flat_group import FlatGroup
+from zeroray.engine.swap import ALIGN, AlignedBuffer, SwapDir, aligned, wait_all
+
+if TYPE_CHECKING:
+    from zeroray.engine.sharded_optim import Piece, SubGroup
+
+_F32 = 4
+
+
+def elementwise_states(state: dict, numel: int) -> dict[str, torch.Tensor]:
+    """The states shaped like their parameter (Adam's moments); scalars (``step``) are left out."""
+    return {k: v for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0 and v.numel() == numel}
+
+
+class StateHome:
+    """Interface; see the module docstring."""
+
+    def attach(self, groups: Sequence[FlatGroup]) -> None:
+        """Called once, before the optimizer's parameters are made."""
+
+    def param_data(self, g: FlatGroup, lo: int, hi: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def prepare(self, subs: Sequence[SubGroup], optimizer: torch.optim.Optimizer) -> None:
+        """Called once the optimizer exists."""
+
+    lazy_grads = False  # see GradShards: fp32 gradients made per sub-group, as it is stepped
+
+    def grad(self, g: FlatGroup, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+        """``g``'s gradient shard (or its ``[lo, hi)``) in fp32 where the optimizer runs; eager
+        homes may return the shard itself (scaled in place) or a reused buffer."""
+        raise NotImplementedError
+
+    def cycle(self, subs: Sequence[SubGroup], optimizer: torch.optim.Optimizer) -> Iterator[tuple[SubGroup, None]]:
+        """Yield each sub-group with its master and states in place for ``optimizer.step()``."""
+        raise NotImplementedError
+
+    def publish(self, sub: SubGroup) -> None:
+        """The sub-group was stepped: its new masters may go into the compute shards now."""
+
+    def master(self, g: FlatGroup) -> torch.Tensor:
+        raise NotImplementedError
+
+    def states(self, piece: Piece, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def load(self, piece: Piece, weight: torch.Tensor, states: dict[str, torch.Tensor], scalars: dict[str, float],
+             optimizer: torch.optim.Optimizer) -> None:
+        raise NotImplementedError
+
+    def set_master(self, piece: Piece, values: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
+        raise NotImplementedError
+
+    def memory(self, subs: Sequence[SubGroup], optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        """``{"master": , "states": , "host": , "nvme": }`` bytes: masters and states held on the compute
+        device; host memory held for offload (masters, states, grad copies, swap buffers); swap files."""
+        raise NotImplementedError
+
+    def io_report(self) -> dict[str, float]:
+        """Swap traffic and the time the step spent blocked on it (NVMe only)."""
+        return {}
+
+    def close(self) -> None:
+        """Release what the home holds (swap files included)."""
+
+
+def _scalar_state(scalars: dict[str, float]) -> dict[str, torch.Tensor]:
+    return {k: torch.tensor(v, dtype=torch.float32) for k, v in scalars.items()}
+
+
+class ResidentHome(StateHome):
+    """Masters and states in memory: each flat group's ``master`` (made by ``FlatGroup.install`` on
+    ``master_device``) and the torch optimizer's own state tensors."""
+
+    def __init__(self, compute_device: torch.device, master_device: torch.device, pin_memory: bool):
+        self.compute_device = compute_device
+        self.master_device = master_device
+        self.offloaded = master_device != compute_device
+        self.pin = pin_memory and self.offloaded and torch.cuda.is_available()
+        self._host_grads: dict[FlatGroup, torch.Tensor] = {}
+
+    def param_data(self, g: FlatGroup, lo: int, hi: int) -> torch.Tensor:
+        return g.master if (lo, hi) == (0, g.shard_numel) else g.master[lo:hi]
+
+    def grad(self, g: FlatGroup, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+        gs = g.grad_shard
+        if not self.offloaded:
+            return gs if gs.dtype == g.master.dtype else gs.to(g.master.dtype)
+        # Device -> host into a reusable (pinned) buffer, cast on the way.
+        buf = self._host_grads.get(g)
+        if buf is None:
+            buf = torch.empty(gs.shape, dtype=g.master.dtype, device=self.master_device, pin_memory=self.pin)
+            self._host_grads[g] = buf
+        buf.copy_(gs, non_blocking=self.pin)
+        if self.pin:
+            torch.cuda.current_stream(self.compute_device).synchronize()
+        return buf
+
+    def cycle(self, subs: Sequence[SubGroup], optimizer: torch.optim.Optimizer) -> Iterator[tuple[SubGroup, None]]:
+        for sub in subs:
+            yield sub, None
+
+    def master(self, g: FlatGroup) -> torch.Tensor:
+        return g.master
+
+    def states(self, piece: Piece, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+        return {k: v.reshape(-1) for k, v in elementwise_states(optimizer.state.get(piece.param, {}), piece.numel).items()}
+
+    def load(self, piece: Piece, weight: torch.Tensor, states: dict[str, torch.Tensor], scalars: dict[str, float],
+             optimizer: torch.optim.Optimizer) -> None:
+        piece.param.data.copy_(weight.reshape(-1))
+        if states:
+            state: dict = {k: v.reshape(-1).to(device=self.master_device, dtype=piece.param.dtype) for k, v in states.items()}
+            state.update(_scalar_state(scalars))
+            optimizer.state[piece.param] = state
+        else:
+            optimizer.state.pop(piece.param, None)
+
+    def set_master(self, piece: Piece, values: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
+        piece.param.data.copy_(values)
+
+    def memory(self, subs: Sequence[SubGroup], optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        masters = {id(p.group): p.group.master_bytes() for s in subs for p in s.pieces}
+        master = sum(masters.values())
+        states = sum(
+            v.numel() * v.element_size()
+            for s in subs
+            for p in s.pieces
+            for v in optimizer.state.get(p.param, {}).values()
+            if torch.is_tensor(v)
+        )
+        if not self.offloaded:
+            return {"master": master, "states": states, "host": 0, "nvme": 0}
+        grads = sum(t.numel() * t.element_size() for t in self._host_grads.values())
+        # fp32 compute at stage 3 keeps no separate master on the device; any master here is on the host
+        return {"master": 0, "states": 0, "host": master + states + grads, "nvme": 0}
+
+
+class NvmeHome(StateHome):
+    """Masters and states in one swap file per sub-group: ``[master | state_1 | ... | state_K]``,
+    each segment ``aligned(numel * 4)`` bytes, pieces in order inside a segment."""
+
+    def __init__(self, swap: SwapDir, buffer_count: int, host_device: torch.device, expected_states: int):
+        self.swap = swap
+        self.buffer_count = buffer_count
+        self.host_device = host_device
+        self.expected_states = expected_states
+        self.keys: list[str] | None = None  # the elementwise state names, known after the first step or a load
+        self._bufs: list[AlignedBuffer] = []
+        self._writes: dict[int, list[Future]] = {}  # buffer index -> its write in flight
+        self._reads: dict[int, list[Future]] = {}  # buffer index -> its read in flight
+        self._segs: list[int] = []  # segments each file holds now
+        self._seg_bytes: list[int] = []
+        self._offsets: dict[int, tuple[int, int]] = {}  # id(piece.param) -> (sub-group index, offset in segment)
+        self._subs: Sequence[SubGroup] = ()
+        self._placeholder = torch.empty(0, dtype=torch.float32, device=host_device)
+        self.lazy_grads = True  # set per engine: see NvmeHome.attach
+        self._read_wait = self._write_wait = 0.0  # seconds the step waited for the disk
+
+    # ------------------------------------------------------------------ set-up
+    def attach(self, groups: Sequence[FlatGroup]) -> None:
+        # fp32 gradient shards in host memory are used in place; anything else is cast per sub-group.
+        self.lazy_grads = any(g.grad_shard.dtype != torch.float32 or g.grad_shard.device != self.host_device for g in groups)
+
+    def param_data(self, g: FlatGroup, lo: int, hi: int) -> torch.Tensor:
+        return self._placeholder
+
+    def _name(self, i: int) -> str:
+        return f"subgroup{i:05d}.swap"
+
+    def prepare(self, subs: Sequence[SubGroup], optimizer: torch.optim.Optimizer) -> None:
+        """Write every sub-group's initial master (the compute shard in fp32) to its file."""
+        self._subs = subs
+        for sub in subs:
+            off = 0
+            for piece in sub.pieces:
+                self._offsets[id(piece.param)] = (sub.index, off)
+                off += piece.numel
+            self._seg_bytes.append(aligned(sub.numel * _F32))
+            self._segs.append(1)
+        n = min(self.buffer_count, len(subs))
+        self._bufs = [AlignedBuffer(self.buffer_bytes(1 + self.expected_states)) for _ in range(n)]
+        for sub in subs:
+            b = sub.index % n
+            self._wait_buffer(b)
+            buf = self._bufs[b]
+            for piece in sub.pieces:
+                _, off = self._offsets[id(piece.param)]
+                buf.tensor[off : off + piece.numel].copy_(piece.group.shard[piece.lo : piece.hi])
+            self._writes[b] = self.swap.write(self._name(sub.index), buf, self._seg_bytes[sub.index])
+        self._drain()
+
+    def buffer_bytes(self, segments: int) -> int:
+        """Host bytes of one buffer: the largest sub-group's master and states."""
+        return segments * max(self._seg_bytes, default=ALIGN)
+
+    # ------------------------------------------------------------------ buffers
+    def _wait_buffer(self, b: int) -> None:
+        w = self._writes.pop(b, None)
+        if w is not None:
+            t0 = time.perf_counter()
+            wait_all(w)
+            self._write_wait += time.perf_counter() - t0
+
+    def io_report(self) -> dict[str, float]:
+        return {
+            "bytes_read": self.swap.bytes_read,
+            "bytes_written": self.swap.bytes_written,
+            "read_wait_s": self._read_wait,
+            "write_wait_s": self._write_wait,
+            "direct_io": float(self.swap.direct),
+        }
+
+    def _drain(self) -> None:
+        for b in list(self._writes):
+            self._wait_buffer(b)
+
+    def _ensure_capacity(self) -> None:
+        """Grow the buffers once the optimizer's state count is known, if the guess was short;
+        what they hold (a read-ahead, the sub-group being stepped) is kept."""
+        need = self.buffer_bytes(1 + len(self.keys or ()))
+        for b, buf in enumerate(self._bufs):
+            if buf.nbytes < need:
+                self._wait_buffer(b)
+                wait_all(self._reads.get(b, ()))
+                grown = AlignedBuffer(need)
+                grown.tensor[: buf.tensor.numel()].copy_(buf.tensor)
+                self._bufs[b] = grown
+
+    def _segment(self, buf: AlignedBuffer, i: int, s: int) -> torch.Tensor:
+        start = s * self._seg_bytes[i] // _F32
+        return buf.tensor[start : start + self._subs[i].numel]
+
+    def _read_into(self, i: int, buf: AlignedBuffer) -> list[Future]:
+        return self.swap.read(self._name(i), buf, self._segs[i] * self._seg_bytes[i])
+
+    def _write_from(self, i: int, buf: AlignedBuffer) -> list[Future]:
+        self._segs[i] = 1 + len(self.keys or ())
+        return self.swap.write(self._name(i), buf, self._segs[i] * self._seg_bytes[i])
+
+    # ------------------------------------------------------------------ the step
+    def grad(self, g: FlatGroup, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+        gs = g.grad_shard[lo:hi]
+        if gs.device == self.host_device and gs.dtype == torch.float32:
+            return gs  # eager: scaled in place, as without offload
+        return gs.to(device=self.host_device, dtype=torch.float32, copy=True)
+
+    def cycle(self, subs: Sequence[SubGroup], optimizer: torch.optim.Optimizer) -> Iterator[tuple[SubGroup, None]]:
+        n = len(self._bufs)
+        self._drain()  # the previous step's last writes
+
+        def start_read(i: int) -> list[Future]:
+            b = i % n
+            self._wait_buffer(b)
+            self._reads[b] = self._read_into(i, self._bufs[b])
+            return self._reads[b]
+
+        reads = {0: start_read(0)} if subs else {}
+        for i, sub in enumerate(subs):
+            if i + 1 < len(subs) and n > 1:
+                reads[i + 1] = start_read(i + 1)
+            t0 = time.perf_counter()
+            wait_all(reads.pop(i))
+            self._read_wait += time.perf_counter() - t0
+            self._reads.pop(i % n, None)
+            buf = self._bufs[i % n]
+            self._bind(sub, buf, optimizer)
+            yield sub, None
+            self._unbind(sub, optimizer)
+            buf = self._bufs[i % n]  # _unbind may have grown the pool's buffers
+            self._writes[i % n] = self._write_from(i, buf)
+            if n == 1 and i + 1 < len(subs):
+                reads[i + 1] = start_read(i + 1)
+
+    def _bind(self, sub: SubGroup, buf: AlignedBuffer, optimizer: torch.optim.Optimizer) -> None:
+        i = sub.index
+        full = self._segs[i] == 1 + len(self.keys or ())
+        for piece in sub.pieces:
+            _, off = self._offsets[id(piece.param)]
+            piece.param.data = self._segment(buf, i, 0)[off : off + piece.numel]
+            state = optimizer.state.get(piece.param)
+            if state and self.keys:  # a piece with history: its moments come from the file
+                if not full:
+                    raise RuntimeError(f"zeroray swap: sub-group {i} has optimizer state but its file holds none")
+                for s, k in enumerate(self.keys, start=1):
+                    state[k] = self._segment(buf, i, s)[off : off + piece.numel]
+
+    def _unbind(self, sub: SubGroup, optimizer: torch.optim.Optimizer) -> None:
+        i = sub.index
+        for piece in sub.pieces:
+            state = optimizer.state.get(piece.param, {})
+            found = elementwise_states(state, piece.numel)
+            if found and self.keys is None:
+                self.keys = sorted(found)
+                self._ensure_capacity()
+            buf = self._bufs[i % len(self._bufs)]
+            if found and sorted(found) != self.keys:
+                raise RuntimeError(f"zeroray swap: optimizer states {sorted(found)} differ from {self.keys}")
+            _, off = self._offsets[id(piece.param)]
+            master = self._segment(buf, i, 0)[off : off + piece.numel]
+            if piece.param.data.data_ptr() != master.data_ptr():  # a grown buffer: keep the values
+                master.copy_(piece.param.data)
+            for s, k in enumerate(self.keys or (), start=1):
+                if k in found:
+                    dst = self._segment(buf, i, s)[off : off + piece.numel]
+                    if found[k].data_ptr() != dst.data_ptr():  # fresh tensors made by the first step
+                        dst.copy_(found[k])
+                    del state[k]
+            piece.param.data = self._placeholder
+
+    def publish(self, sub: SubGroup) -> None:
+        for piece in sub.pieces:
+            piece.group.shard[piece.lo : piece.hi].copy_(piece.param.data)
+
+    # ------------------------------------------------------------------ state outside the step
+    def _read_whole(self, i: int) -> AlignedBuffer:
+        self._drain()
+        buf = AlignedBuffer(self._segs[i] * self._seg_bytes[i])
+        wait_all(self._read_into(i, buf))
+        return buf
+
+    def master(self, g: FlatGroup) -> torch.Tensor:
+        out = torch.empty(g.shard_numel, dtype=torch.float32, device=self.host_device)
+        for sub in self._subs:
+            pieces = [p for p in sub.pieces if p.group is g]
+            if not pieces:
+                continue
+            buf = self._read_whole(sub.index)
+            try:
+                for piece in pieces:
+                    _, off = self._offsets[id(piece.param)]
+                    out[piece.lo : piece.hi].copy_(self._segment(buf, sub.index, 0)[off : off + piece.numel])
+            finally:
+                buf.close()
+        return out
+
+    def states(self, piece: Piece, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+        if not optimizer.state.get(piece.param) or not self.keys:
+            return {}
+        i, off = self._offsets[id(piece.param)]
+        buf = self._read_whole(i)
+        try:
+            return {k: self._segment(buf, i, s)[off : off + piece.numel].clone() for s, k in enumerate(self.keys, start=1)}
+        finally:
+            buf.close()
+
+    def _rewrite(self, piece: Piece, edit: Callable[[AlignedBuffer, int, int], None]) -> None:
+        """Read ``piece``'s file, ``edit(buffer, sub-group index, offset)``, write it back."""
+        i, off = self._offsets[id(piece.param)]
+        segs = 1 + len(self.keys or ())
+        buf = AlignedBuffer(segs * self._seg_bytes[i])
+        try:
+            self._drain()
+            wait_all(self._read_into(i, buf))
+            edit(buf, i, off)
+            wait_all(self._write_from(i, buf))
+        finally:
+            buf.close()
+
+    def load(self, piece: Piece, weight: torch.Tensor, states: dict[str, torch.Tensor], scalars: dict[str, float],
+             optimizer: torch.optim.Optimizer) -> None:
+        if states and self.keys is None:
+            self.keys = sorted(states)
+            self._ensure_capacity()
+        if states and sorted(states) != self.keys:
+            raise ValueError(f"optimizer states {sorted(states)} do not match this optimizer's {self.keys}")
+
+        def edit(buf: AlignedBuffer, i: int, off: int) -> None:
+            self._segment(buf, i, 0)[off : off + piece.numel].copy_(weight.reshape(-1))
+            for s, k in enumerate(self.keys or (), start=1):
+                if k in states:
+                    self._segment(buf, i, s)[off : off + piece.numel].copy_(states[k].reshape(-1))
+
+        self._rewrite(piece, edit)
+        if states:
+            optimizer.state[piece.param] = _scalar_state(scalars)
+        else:
+            optimizer.state.pop(piece.param, None)
+
+    def set_master(self, piece: Piece, values: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
+        def edit(buf: AlignedBuffer, i: int, off: int) -> None:
+            self._segment(buf, i, 0)[off : off + piece.numel].copy_(values)
+
+        self._rewrite(piece, edit)
+
+    def memory(self, subs: Sequence[SubGroup], optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        self._drain()  # the files' sizes once the writes behind the last step are done
+        host = sum(b.nbytes for b in self._bufs)
+        nvme = sum(s * b for s, b in zip(self._segs, self._seg_bytes))
+        return {"master": 0, "states": 0, "host": host, "nvme": nvme}
+
+    def close(self) -> None:
+        try:
+            self._drain()
+        finally:
+            for b in self._bufs:
+                b.close()
+            self._bufs = []
+            self.swap.close()
+
+
+def expected_state_count(optimizer: torch.optim.Optimizer) -> int:
+    """Elementwise states per parameter the optimizer will make (for the free-space check and the
+    first buffers; a wrong guess only costs a resize at the first step)."""
+    name = type(optimizer).__name__
+    d = optimizer.defaults
+    if name in ("Adam", "AdamW", "NAdam", "RAdam", "Adamax"):
+        return 3 if d.get("amsgrad") else 2
+    if name == "SGD":
+        return 1 if d.get("momentum", 0) else 0
+    if name in ("Adagrad", "Adadelta"):
+        return 1 if name == "Adagrad" else 2
+    if name == "RMSprop":
+        return 1 + bool(d.get("momentum", 0)) + bool(d.get("centered"))
+    return 2
+
