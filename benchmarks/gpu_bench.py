@@ -9,6 +9,7 @@ compute:
 
 - ``torch``: fp32 parameters under ``torch.autocast(bf16)`` (the usual PyTorch recipe);
 - ``zeroray-S``: ``precision="bf16"`` (bf16 parameters, fp32 master weights), ZeRO stage S;
+  ``zeroray-3-offload`` keeps masters and Adam moments in pinned host memory (``offload_optimizer``);
 - ``fsdp2``: ``fully_shard`` per block and the root, ``MixedPrecisionPolicy(bf16, reduce fp32)``;
 - ``deepspeed-S``: ``bf16.enabled`` and ZeRO stage S, the same client optimizer.
 
@@ -33,7 +34,7 @@ from typing import Any
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-SYSTEMS = ["torch", "zeroray-0", "zeroray-3", "fsdp2", "deepspeed-0", "deepspeed-3"]
+SYSTEMS = ["torch", "zeroray-0", "zeroray-3", "zeroray-3-offload", "fsdp2", "deepspeed-0", "deepspeed-3"]
 # Dense bf16 peak (no sparsity), by substring of torch.cuda.get_device_name().
 PEAK_BF16 = {"H200": 989e12, "H100 PCIe": 756e12, "H100": 989e12, "A100": 312e12, "L4": 121e12}
 LR = 1e-4
@@ -59,7 +60,8 @@ class Runner:
         elif name.startswith("zeroray"):
             import zeroray
 
-            cfg = zeroray.ZeroConfig(stage=int(name[-1]), precision="bf16")
+            offload = {"device": "cpu", "pin_memory": True} if name.endswith("offload") else {}
+            cfg = zeroray.ZeroConfig(stage=int(name.split("-")[1]), precision="bf16", offload_optimizer=offload)
             self.engine = zeroray.initialize(model, opt, cfg)
         elif name == "fsdp2":
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard

@@ -491,6 +491,15 @@ class ZeroEngine:
         times not yet complete count at a later call)."""
         return self._phases.report()
 
+    def offload_report(self) -> dict[str, int]:
+        """Cumulative bytes read from and written to the NVMe swap files since set-up, keyed
+        ``"nvme:read"`` / ``"nvme:write"`` (the metrics' offload panels); empty unless the optimizer
+        states live in NVMe files."""
+        io = self.optim.io_report()
+        if "bytes_read" not in io:
+            return {}
+        return {"nvme:read": int(io["bytes_read"]), "nvme:write": int(io["bytes_written"])}
+
     def comm_report(self) -> dict[str, int]:
         """Cumulative bytes per collective kind since set-up or the last reset."""
         return self.comm.report()

@@ -107,9 +107,17 @@ class ResidentHome(StateHome):
     def param_data(self, g: FlatGroup, lo: int, hi: int) -> torch.Tensor:
         return g.master if (lo, hi) == (0, g.shard_numel) else g.master[lo:hi]
 
+    def attach(self, groups: Sequence[FlatGroup]) -> None:
+        # 16-bit gradients on the device are cast to fp32 per sub-group as it is stepped (GradShards,
+        # lazy): the step then holds one sub-group's fp32 copy, not the whole shard's (20 -> 16 bytes a
+        # parameter at the step's peak, bf16 at world 1). fp32 gradient shards are used in place.
+        self.lazy_grads = not self.offloaded and any(g.grad_shard.dtype != g.master.dtype for g in groups)
+
     def grad(self, g: FlatGroup, lo: int = 0, hi: int | None = None) -> torch.Tensor:
         gs = g.grad_shard
         if not self.offloaded:
+            if hi is not None or lo:
+                gs = gs[lo:hi]
             return gs if gs.dtype == g.master.dtype else gs.to(g.master.dtype)
         # Device -> host into a reusable (pinned) buffer, cast on the way.
         buf = self._host_grads.get(g)
