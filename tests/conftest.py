@@ -76,6 +76,7 @@ def ray_multinode() -> Iterator[object]:
         yield cluster
     finally:
         # Not cluster.shutdown(): it also resets this process's internal KV and deletes Ray's address file.
+        cluster.global_state.disconnect()  # no client of this process keeps calling a GCS that is gone
         for node in list(cluster.worker_nodes):
             cluster.remove_node(node, allow_graceful=False)
         cluster.remove_node(cluster.head_node, allow_graceful=False)

@@ -145,6 +145,11 @@ def _reference() -> tuple[dict[str, torch.Tensor], list[float]]:
     return {k: v.detach().clone() for k, v in model.named_parameters()}, losses
 
 
+# Out of the default suite: twice the whole suite's pytest process was ended by Ray ("GCS has been
+# unavailable for more than 60 seconds ... The program will terminate") 10-20 minutes after this
+# module's in-process Cluster was torn down, though the session cluster's GCS was alive; run it with
+# `pytest -m slow tests/test_elastic_cluster.py` until the cluster runs in a process of its own.
+@pytest.mark.slow
 def test_elastic_run_grows_and_shrinks_with_nodes_and_matches_a_fixed_run(ray_multinode, tmp_path):
     cluster = ray_multinode
     control = tmp_path / "control"
