@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 GLOBAL_BATCH, MICRO, STEPS, CHECKPOINT_EVERY = 24, 2, 16, 4
