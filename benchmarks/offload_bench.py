@@ -53,6 +53,14 @@ DEEPSPEED = os.environ.get("OFFLOAD_BENCH_DEEPSPEED", "1") == "1"
 
 
 # ------------------------------------------------------------------------------ disk
+
+def _batch(cfg, spec: dict, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same random tokens for zeroray and DeepSpeed: seeded by rank."""
+    g = torch.Generator().manual_seed(rank)
+    B, T = spec["batch"]
+    return (torch.randint(0, cfg.vocab_size, (B, T), generator=g),
+            torch.randint(0, cfg.vocab_size, (B, T), generator=g))
+
 def fio(path: str, size_gb: float) -> dict[str, float]:
     """fio's sequential O_DIRECT bandwidth (GB/s) at the swap's block size and queue depth."""
     if shutil.which("fio") is None:
@@ -158,10 +166,7 @@ def _rank(rank: int, world: int, port: int, spec: dict, out: str) -> None:
         engine = zeroray.initialize(model, torch.optim.AdamW(model.parameters(), lr=spec["lr"]), spec["zero"],
                                     init_fn=_init)
         setup_s = time.perf_counter() - t0
-        g = torch.Generator().manual_seed(rank)
-        B, T = spec["batch"]
-        x = torch.randint(0, cfg.vocab_size, (B, T), generator=g)
-        y = torch.randint(0, cfg.vocab_size, (B, T), generator=g)
+        x, y = _batch(cfg, spec, rank)
         steps = []
         for _ in range(spec["steps"]):
             io0 = engine.optim.io_report()
@@ -211,10 +216,7 @@ def _ds_rank(rank: int, world: int, port: int, spec: dict, out: str) -> None:
         t0 = time.perf_counter()
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
         setup_s = time.perf_counter() - t0
-        g = torch.Generator().manual_seed(rank)
-        B, T = spec["batch"]
-        x = torch.randint(0, cfg.vocab_size, (B, T), generator=g)
-        y = torch.randint(0, cfg.vocab_size, (B, T), generator=g)
+        x, y = _batch(cfg, spec, rank)
         steps = []
         for _ in range(spec["steps"]):
             t0 = time.perf_counter()
