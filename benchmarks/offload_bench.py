@@ -52,14 +52,15 @@ BLOCK = 8 << 20
 DEEPSPEED = os.environ.get("OFFLOAD_BENCH_DEEPSPEED", "1") == "1"
 
 
-# ------------------------------------------------------------------------------ disk
-
 def _batch(cfg, spec: dict, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The same random tokens for zeroray and DeepSpeed: seeded by rank."""
     g = torch.Generator().manual_seed(rank)
     B, T = spec["batch"]
     return (torch.randint(0, cfg.vocab_size, (B, T), generator=g),
             torch.randint(0, cfg.vocab_size, (B, T), generator=g))
+
+
+# ------------------------------------------------------------------------------ disk
 
 def fio(path: str, size_gb: float) -> dict[str, float]:
     """fio's sequential O_DIRECT bandwidth (GB/s) at the swap's block size and queue depth."""
