@@ -15,10 +15,10 @@ from zeroray.engine import ZeroEngine, layout
 STEPS = 3  # optimizer steps before the first save
 
 
-def make_engine(stage: int, seed: int = 0, **model_kw: Any) -> ZeroEngine:
-    """TinyLM with AdamW over two param groups, clipping and a StepLR schedule."""
+def make_engine(stage: int, seed: int = 0, device: str | torch.device = "cpu", **model_kw: Any) -> ZeroEngine:
+    """TinyLM on ``device`` with AdamW over two param groups, clipping and a StepLR schedule."""
     torch.manual_seed(seed)
-    model = TinyLM(**model_kw)
+    model = TinyLM(**model_kw).to(device)
     cfg = zeroray.ZeroConfig(stage=stage, comm={"reduce_bucket_size": 500}, gradient_clipping=0.5)
     return zeroray.initialize(
         model,

@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 
+from tests.processes import stop
 from tests.ray_helpers import run_config
 
 RUN = "dashboard-run"
@@ -86,12 +87,7 @@ class Chromium:
         return next(t["webSocketDebuggerUrl"] for t in targets if t["type"] == "page")
 
     def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop(self.proc)
         self.log.close()
 
 

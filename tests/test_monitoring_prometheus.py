@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.processes import stop
 from tests.ray_helpers import run_config
 from zeroray.monitoring import dashboard
 from zeroray.monitoring import metrics as M
@@ -120,12 +121,7 @@ class Prometheus:
         return data["data"]["result"]
 
     def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop(self.proc)
         self.log.close()
 
 

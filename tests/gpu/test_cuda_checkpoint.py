@@ -12,21 +12,9 @@ from torch.utils._pytree import tree_map
 
 import zeroray
 import zeroray.checkpoint as zc
-from tests.checkpoint_helpers import STEPS, assemble, assert_same, snapshot
+from tests.checkpoint_helpers import STEPS, assemble, assert_same, make_engine, snapshot
 from tests.dist_harness import run_ranks
-from tests.models import TinyLM, batches, param_groups
-
-
-def _engine(stage: int, seed: int, dev: torch.device) -> zeroray.ZeroEngine:
-    torch.manual_seed(seed)
-    model = TinyLM().to(dev)
-    cfg = zeroray.ZeroConfig(stage=stage, comm={"reduce_bucket_size": 500}, gradient_clipping=0.5)
-    return zeroray.initialize(
-        model,
-        torch.optim.AdamW(param_groups(model), lr=1e-2),
-        cfg,
-        lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.9),
-    )
+from tests.models import batches
 
 
 def _train(engine: zeroray.ZeroEngine, rank: int, steps: int, dev: torch.device) -> None:
@@ -44,7 +32,7 @@ def _worker(rank: int, world: int, base: str) -> dict:
     torch.cuda.set_device(dev)
     out: dict[Any, Any] = {}
     for stage in (1, 2, 3):
-        engine = _engine(stage, 0, dev)
+        engine = make_engine(stage, 0, dev)
         _train(engine, rank, STEPS, dev)
         zc.save(engine, f"{base}/s{stage}/checkpoint_sync")
         saver = zc.AsyncSaver(engine)
@@ -57,7 +45,7 @@ def _worker(rank: int, world: int, base: str) -> dict:
 
         loaded = {}
         for kind in ("sync", "async"):
-            other = _engine(4 - stage if stage != 2 else 2, 7, dev)  # another stage (2 stays 2)
+            other = make_engine(4 - stage if stage != 2 else 2, 7, dev)  # another stage (2 stays 2)
             torch.cuda.manual_seed(12345)
             zc.load(other, f"{base}/s{stage}/checkpoint_{kind}")
             loaded[kind] = (snapshot(other), torch.rand(8, device=dev))
@@ -81,7 +69,7 @@ def test_cuda_checkpoints_round_trip_reshard_and_export(tmp_path: Path) -> None:
 
     # World 2 stage 3 into world 1 stage 1, in this process, on the GPU.
     dev = torch.device("cuda", 0)
-    engine = _engine(1, 9, dev)
+    engine = make_engine(1, 9, dev)
     manifest = zc.load(engine, str(tmp_path / "s3" / "checkpoint_sync"))
     assert (manifest.world_size, manifest.stage) == (2, 3)
     want = assemble([r[3]["before"] for r in results])
