@@ -1,9 +1,10 @@
 """Stage 3: touching parameters outside forward/backward never crashes (issue #8).
 
 Every case runs in its own spawned process: a SIGSEGV there fails the test instead of killing
-pytest. A freed parameter reads as NaN, refuses writes, and the calls that zeroray can see
-(state_dict, load_state_dict, a parameter used outside its unit, a second initialize) raise errors
-naming the parameter and the way out.
+pytest. Every torch call that would read or write a freed parameter raises an error naming it and
+the way out (``engine.gathered_parameters()``), metadata works, ``print`` describes the shard, and
+state_dict, load_state_dict, a parameter used outside its unit and a second initialize get errors
+of their own.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def _touch(rank: int, world: int, case: str) -> str:
         if case == "sum":
             return f"value {float(p.sum())}"
         if case == "print":
-            return f"printed {len(str(p))}"
+            return f"printed {p}"
         if case == "clone":
             c = p.detach().clone()
             return f"clone {tuple(c.shape)} {float(c.sum())}"
@@ -51,6 +52,24 @@ def _touch(rank: int, world: int, case: str) -> str:
             with torch.no_grad():
                 p.copy_(torch.ones(p.shape))
             return "copied"
+        if case == "data":
+            return f"value {float(p.data.sum())}"
+        if case == "ema":
+            ema = torch.zeros(p.shape)
+            ema.mul_(0.9).add_(p, alpha=0.1)
+            return "ema"
+        if case == "deepcopy":
+            copy.deepcopy(model)
+            return "copied"
+        if case == "metadata":
+            return f"metadata {tuple(p.shape)} {p.numel()} {p.dtype} {p.requires_grad} {p.grad} {p.dim()}"
+        if case == "inside_gathered":
+            with engine.gathered_parameters([p]):
+                inside = float(p.sum())
+            return f"inside {inside == float(engine.full_state_dict()['h.0.fc.weight'].sum())}"
+        if case == "closed":
+            engine.close()
+            return f"closed {type(p) is nn.Parameter} {float(p.sum()) == float(p.detach().clone().sum())}"
         if case == "clip_grad_norm_":
             return f"norm {float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))}"
         if case == "state_dict":
@@ -74,13 +93,19 @@ def _touch(rank: int, world: int, case: str) -> str:
 @pytest.mark.parametrize(
     "case, expect",
     [
-        ("sum", "value nan"),
-        ("print", "printed"),
-        ("clone", "clone (40, 13) nan"),
-        ("copy_", "error unsupported operation: more than one element of the written-to tensor"),
+        ("sum", "error zeroray stage 3: parameter 'h.0.fc.weight' of unit 'h.0' is sharded across ranks and not gathered now, so sum() cannot use it. On every rank, use it inside `with engine.gathered_parameters([p]):`"),
+        ("print", "printed Parameter(zeroray stage-3 shard of 'h.0.fc.weight' in unit 'h.0', not gathered: shape=(40, 13)"),
+        ("clone", "error zeroray stage 3: parameter 'h.0.fc.weight' of unit 'h.0' is sharded across ranks and not gathered now, so detach() cannot use it"),
+        ("copy_", "error zeroray stage 3: parameter 'h.0.fc.weight' of unit 'h.0' is sharded across ranks and not gathered now, so copy_() cannot use it"),
+        ("data", "error zeroray stage 3: parameter 'h.0.fc.weight' of unit 'h.0' is sharded across ranks and not gathered now, so .data cannot use it"),
+        ("ema", "error zeroray stage 3: parameter 'h.0.fc.weight' of unit 'h.0' is sharded across ranks and not gathered now, so add_() cannot use it"),
+        ("deepcopy", "error zeroray stage 3: parameter 'wpe' of unit 'root' is sharded across ranks and not gathered now, so .data"),
+        ("metadata", "metadata (40, 13) 520 torch.float32 True None 2"),
+        ("inside_gathered", "inside True"),
+        ("closed", "closed True True"),
         ("clip_grad_norm_", "norm 0.0"),  # zeroray keeps no .grad on parameters; engine.last_grad_norm
-        ("state_dict", "error zeroray stage 3: 'wte.weight' is sharded across ranks"),
-        ("torch.save", "error zeroray stage 3: 'wte.weight' is sharded across ranks"),
+        ("state_dict", "error zeroray stage 3: 'wpe' is sharded across ranks, so module.state_dict()"),
+        ("torch.save", "error zeroray stage 3: 'wpe' is sharded across ranks, so module.state_dict()"),
         ("load_state_dict", "error zeroray stage 3: 'wpe' is sharded across ranks, so load_state_dict()"),
         ("initialize_again", "error this TinyLM (or a module in it) is already held by a ZeroEngine; call engine.close() first"),
     ],
