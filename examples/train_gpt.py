@@ -2,11 +2,14 @@
 
     python examples/train_gpt.py                         # ZeRO-3, 2 workers, local embedded Ray cluster
     python examples/train_gpt.py --stage 2 --workers 3 --steps 300 --num-cpus 3
+    python examples/train_gpt.py --workers 2-4 --resize-check 5  # elastic: 2 to 4 ranks, as nodes come and go
     python examples/train_gpt.py --deepspeed-config ds_config.json --storage-path s3://bucket/runs
 
 A byte-level GPT (about 3M parameters) learns examples/data/corpus.txt, a synthetic text shipped with
 the repo (examples/data/make_corpus.py rewrites it; --data takes any text file). Each rank samples
-its own random windows; the loss falls within a couple of minutes on a 2-core laptop. At the end the
+its own random windows (an elastic run takes the windows of its global sample indices instead, so a
+resized run sees the same samples in the same steps); the loss falls within a couple of minutes on a
+2-core laptop. At the end the
 script prints a sample from the model and each rank's memory by category.
 """
 
@@ -45,6 +48,14 @@ def get_batch(data: torch.Tensor, batch: int, block: int, gen: torch.Generator) 
     ix = torch.randint(len(data) - block - 1, (batch,), generator=gen)
     x = torch.stack([data[i : i + block] for i in ix])
     y = torch.stack([data[i + 1 : i + 1 + block] for i in ix])
+    return x.long(), y.long()
+
+
+def windows_at(data: torch.Tensor, indices: range, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The windows of global sample indices (elastic runs): sample i always starts at the same place."""
+    starts = [(i * 2654435761) % (len(data) - block - 1) for i in indices]  # Knuth's multiplicative hash
+    x = torch.stack([data[s : s + block] for s in starts])
+    y = torch.stack([data[s + 1 : s + 1 + block] for s in starts])
     return x.long(), y.long()
 
 
@@ -94,7 +105,10 @@ def train_loop(config: dict[str, Any]) -> None:
         step = engine.global_step
         for group in engine.optimizer.param_groups:
             group["lr"] = lr_at(step, config)
-        x, y = get_batch(train_data, batch, block, gen)
+        if config["elastic"]:  # this group's share of the step's global batch
+            x, y = windows_at(train_data, ctx.sample_indices(step, engine.micro_step % engine.gradient_accumulation_steps), block)
+        else:
+            x, y = get_batch(train_data, batch, block, gen)
         _, loss = engine(x.to(device), y.to(device))
         engine.backward(loss)
         engine.step()
@@ -115,10 +129,25 @@ def train_loop(config: dict[str, Any]) -> None:
     zt.report({"sample": text})
 
 
+def workers_arg(text: str) -> tuple[int, int]:
+    """``N`` or ``MIN-MAX`` (an elastic run)."""
+    try:
+        lo, _, hi = text.partition("-")
+        bounds = (int(lo), int(hi or lo))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N or MIN-MAX, got {text!r}") from None
+    if not 1 <= bounds[0] <= bounds[1]:
+        raise argparse.ArgumentTypeError(f"expected 1 <= MIN <= MAX, got {text!r}")
+    return bounds
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--stage", type=int, default=None, help="ZeRO stage 0-3 (default 3, or the DeepSpeed config's)")
-    p.add_argument("--workers", type=int, default=2, help="ranks, one Ray actor each (one CPU each)")
+    p.add_argument("--workers", type=workers_arg, default=(2, 2),
+                   help="ranks, one Ray actor each (one CPU each); MIN-MAX for an elastic run")
+    p.add_argument("--resize-check", type=float, default=60.0,
+                   help="elastic runs: seconds between checks for a different size (Ray Train V2's default 60)")
     p.add_argument("--num-cpus", type=int, default=None,
                    help="logical CPUs of the embedded Ray cluster (default: the cores); set it to --workers "
                         "to run more ranks than cores")
@@ -136,8 +165,9 @@ def main() -> None:
     p.add_argument("--use-gpu", "--gpu", action="store_true", help="one GPU per worker, NCCL")
     p.add_argument("--max-failures", type=int, default=0)
     args = p.parse_args()
-    if args.steps < 0 or args.workers < 1:
-        p.error("--steps must be >= 0 and --workers >= 1")
+    lo, hi = args.workers
+    if args.steps < 0:
+        p.error("--steps must be >= 0")
     if args.num_cpus is not None and (args.num_cpus < 1 or os.environ.get("RAY_ADDRESS")):
         p.error("--num-cpus (>= 1) sizes the embedded Ray cluster; with RAY_ADDRESS set the cluster is given")
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # zeroray's progress and resume lines
@@ -145,9 +175,9 @@ def main() -> None:
     import ray
 
     cpus = ray.cluster_resources().get("CPU", 0)
-    if started_here() and not args.use_gpu and cpus < args.workers:
-        p.error(f"--workers {args.workers} needs {args.workers} CPUs (one per rank) but the Ray cluster started "
-                f"here has {cpus:g}: pass --num-cpus {args.workers} to share the cores (slower), or fewer --workers")
+    if started_here() and not args.use_gpu and cpus < lo:
+        p.error(f"--workers {lo} needs {lo} CPUs (one per rank) but the Ray cluster started "
+                f"here has {cpus:g}: pass --num-cpus {lo} to share the cores (slower), or fewer --workers")
 
     if args.deepspeed_config:
         zero = load_config(args.deepspeed_config, defer=True)
@@ -155,19 +185,23 @@ def main() -> None:
             zero = dataclasses.replace(zero, stage=args.stage)
     else:
         zero = ZeroConfig(stage=3 if args.stage is None else args.stage)
+    elastic = lo < hi
     if zero.train_micro_batch_size_per_gpu is None and zero.train_batch_size is None:
-        zero = dataclasses.replace(zero, train_micro_batch_size_per_gpu=args.batch)
-    micro = zero.resolve_batch(args.workers).train_micro_batch_size_per_gpu or args.batch
+        # Elastic: the global batch stays --batch x MAX; each size splits it (only sizes that divide it run).
+        zero = dataclasses.replace(zero, **({"train_batch_size": args.batch * hi} if elastic
+                                            else {"train_micro_batch_size_per_gpu": args.batch}))
+    micro = args.batch if elastic else zero.resolve_batch(lo).train_micro_batch_size_per_gpu or args.batch
 
     trainer = ZeroTrainer(
         train_loop,
         train_loop_config={
             "text": Path(args.data).read_bytes(), "steps": args.steps, "batch": micro, "block": args.block,
             "n_layer": args.n_layer, "n_embd": args.n_embd, "n_head": args.n_head, "lr": args.lr,
-            "warmup": max(1, args.steps // 15), "eval_every": max(1, args.steps // 6),
+            "warmup": max(1, args.steps // 15), "eval_every": max(1, args.steps // 6), "elastic": elastic,
         },
         zero_config=zero,
-        scaling_config=ScalingConfig(num_workers=args.workers, use_gpu=args.use_gpu),
+        scaling_config=ScalingConfig(num_workers=(lo, hi) if elastic else lo, use_gpu=args.use_gpu,
+                                     elastic_resize_monitor_interval_s=args.resize_check),
         run_config=RunConfig(
             name=args.name or "gpt-" + time.strftime("%Y%m%d-%H%M%S"),
             storage_path=args.storage_path,

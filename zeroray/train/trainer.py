@@ -127,6 +127,7 @@ class ZeroTrainer:
         Before any actor starts: the loop pickles, the storage is writable and shareable by every rank,
         no other fit() runs this run (its lease), the cluster can hold the group.
         """
+        from zeroray.train.autoscaler_demand import AutoscalerDemand
         from zeroray.train.cluster import check_fits, ensure_ray
         from zeroray.train.controller import Controller
         from zeroray.train.controller_metrics import ControllerMetrics
@@ -159,6 +160,9 @@ class ZeroTrainer:
                 lease=lease,
                 callbacks=[ControllerMetrics(rc.name)],
             )
-            return self._controller.run()
+            if not self.scaling_config.elasticity_enabled:
+                return self._controller.run()
+            with AutoscalerDemand(self.scaling_config.max_workers, decision.resources_per_worker):
+                return self._controller.run()
         finally:
             lease.release()
