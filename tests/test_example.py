@@ -45,6 +45,10 @@ def test_train_gpt_with_no_steps_or_more_workers_than_cpus(tmp_path: Path) -> No
     assert "no training step: the run is at step 0 and --steps is 0" in done.stdout
     assert "Traceback" not in done.stderr
 
+    for bad in ("3-2", "0", "two"):  # refused by the argument parser, before any Ray start
+        done = _run(tmp_path, "--workers", bad, returncode=2)
+        assert "--workers: expected" in done.stderr and bad in done.stderr and "Traceback" not in done.stderr
+
     workers = str((os.cpu_count() or 1) + 1)
     done = _run(tmp_path, "--workers", workers, "--steps", "1", returncode=2)
     assert f"--workers {workers} needs {workers} CPUs" in done.stderr and f"--num-cpus {workers}" in done.stderr

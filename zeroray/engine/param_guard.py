@@ -28,20 +28,24 @@ from torch.utils.hooks import RemovableHandle
 
 from zeroray.engine.flat_group import FlatGroup, ParamState
 
-# Calls that only read metadata, never the values: allowed on a freed parameter.
-_METADATA_PROPERTIES = frozenset(
-    "shape dtype device requires_grad grad _grad grad_fn _grad_fn is_leaf is_meta is_cuda is_cpu layout ndim "
-    "names is_sparse is_quantized is_nested output_nr _version itemsize _backward_hooks "
-    "_post_accumulate_grad_hooks".split()
-)
+# Properties are metadata (shape, dtype, grad, is_* flags, ...) except these, which hand out the values.
+_VALUE_PROPERTIES = frozenset("data T mT H mH real imag".split())
+# Methods that only read metadata: allowed on a freed parameter (every other call refuses it).
 _METADATA_METHODS = frozenset(
     getattr(torch.Tensor, name)
     for name in (
-        "size dim ndimension numel nelement element_size is_floating_point is_complex get_device "
-        "requires_grad_ register_hook register_post_accumulate_grad_hook __hash__"
+        "size dim ndimension numel nelement element_size get_device stride storage_offset data_ptr "
+        "untyped_storage __len__ requires_grad_ register_hook register_post_accumulate_grad_hook __hash__"
     ).split()
 )
 _DESCRIBE = frozenset((torch.Tensor.__repr__, torch.Tensor.__format__))
+
+
+def _is_predicate(func: Any) -> bool:
+    """``p.is_conj()``, ``p._is_zerotensor()``, ...: flags of the tensor, not of its values (what
+    torch.compile and other introspection ask). ``is_nonzero`` reads the value."""
+    name = getattr(func, "__name__", "")
+    return name.startswith(("is_", "_is_")) and name != "is_nonzero"
 
 
 class _Owner:
@@ -92,9 +96,9 @@ class _Guarded:
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Sequence = (), kwargs: dict | None = None) -> Any:
-        if func not in _METADATA_METHODS and not (
+        if func not in _METADATA_METHODS and not _is_predicate(func) and not (
             type(func).__name__ == "method-wrapper"
-            and (func.__name__ != "__get__" or func.__self__.__name__ in _METADATA_PROPERTIES)
+            and (func.__name__ != "__get__" or func.__self__.__name__ not in _VALUE_PROPERTIES)
         ):
             for a in (*args, *(kwargs or {}).values()):
                 for t in a if isinstance(a, (list, tuple)) else (a,):
