@@ -99,11 +99,26 @@ def _reported(fn: Callable[[], int]) -> int:
         return 1
 
 
+def whole_count(text: str) -> int:
+    """A whole number >= 1 written as ``parse_count`` reads it: ``30M`` or ``1e9`` elements."""
+    try:
+        n = parse_count(text)
+    except argparse.ArgumentTypeError:
+        n = math.nan
+    if not math.isfinite(n) or n != int(n):
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1 (e.g. 30M, 1e9), got {text!r}")
+    return int(n)
+
+
 def _add_estimate(sub: argparse._SubParsersAction) -> None:
+    from zeroray.config import OffloadConfig, ZeroConfig  # no torch: --help stays fast
+
+    sub_group_size, buffer_count = ZeroConfig().sub_group_size, OffloadConfig().buffer_count
     p = sub.add_parser(
         "estimate",
         help="per-rank memory of model states for each ZeRO stage",
-        description="Per-rank bytes of parameters, gradients and optimizer states (ZeRO paper formulas).",
+        description="Per-rank bytes of parameters, gradients and optimizer states (ZeRO paper formulas), "
+        "and of optimizer offload to host memory or NVMe files as the engine lays it out.",
     )
     p.add_argument("--params", type=parse_count, required=True, help="parameter count, e.g. 70e9 or 7B")
     p.add_argument("--world-size", type=int_at_least(1), required=True, help="data-parallel ranks")
@@ -113,13 +128,25 @@ def _add_estimate(sub: argparse._SubParsersAction) -> None:
         "--offload",
         choices=("none", "cpu", "nvme"),
         default="none",
-        help="move optimizer states and master weights off the device",
+        help="move optimizer states and master weights off the device (stages 1-3)",
     )
     p.add_argument(
         "--optimizer-bytes",
         type=int_at_least(0),
         default=None,
         help="optimizer bytes per parameter (default: Adam, 8 in fp32, 12 mixed)",
+    )
+    p.add_argument(
+        "--sub-group-size",
+        type=whole_count,
+        default=sub_group_size,
+        help=f"elements the optimizer steps at once; sizes the NVMe swap buffers (default {sub_group_size:.0e})",
+    )
+    p.add_argument(
+        "--buffer-count",
+        type=int_at_least(1),
+        default=buffer_count,
+        help=f"NVMe swap buffers in host memory, one sub-group each (default {buffer_count})",
     )
     p.set_defaults(func=cmd_estimate)
 
@@ -128,15 +155,22 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     """Print the estimate as a table in GiB."""
     from zeroray.estimate import estimate
 
-    result = estimate(
-        args.params, args.world_size, args.stage, args.precision, args.offload, args.optimizer_bytes
-    )
+    try:
+        result = estimate(
+            args.params, args.world_size, args.stage, args.precision, args.offload, args.optimizer_bytes,
+            sub_group_size=args.sub_group_size, buffer_count=args.buffer_count,
+        )
+    except ValueError as e:
+        return _fail(str(e))
     per_stage = result if args.stage is None else {args.stage: result}
-    cols = ["params", "grads", "optimizer", "total"] + (["offloaded"] if args.offload != "none" else [])
-    heads = {"total": "device total", "offloaded": f"offloaded ({args.offload})"}
+    cols = ["params", "grads", "optimizer", "total"] + (["host", "nvme"] if args.offload != "none" else [])
+    heads = {"total": "device total"}
+    settings = ""
+    if args.offload == "nvme":
+        settings = f" (sub_group_size {args.sub_group_size:.4g}, buffer_count {args.buffer_count})"
     print(
         f"Model states per rank: {args.params:.4g} parameters, world size {args.world_size}, "
-        f"{args.precision}, offload {args.offload} (GiB)"
+        f"{args.precision}, offload {args.offload}{settings} (GiB)"
     )
     widths = [max(12, len(heads.get(c, c))) for c in cols]
     print(f"{'stage':>5}  " + "  ".join(f"{heads.get(c, c):>{w}}" for c, w in zip(cols, widths)))

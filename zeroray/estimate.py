@@ -1,34 +1,51 @@
-"""Per-rank memory of model states under ZeRO stages 0-3, from the ZeRO paper's formulas.
+"""Per-rank memory of model states under ZeRO stages 0-3, from the ZeRO paper's formulas, and of
+optimizer offload as the engine lays it out, so a run can be sized before it is launched.
 
-With Ψ parameters, N ranks and K optimizer bytes per parameter, a rank holds
+With Ψ parameters, N ranks and K optimizer bytes per parameter, a rank holds on its device
 ``(p + g + K)Ψ`` at stage 0, ``(p + g)Ψ + KΨ/N`` at stage 1, ``pΨ + (g + K)Ψ/N`` at stage 2 and
 ``(p + g + K)Ψ/N`` at stage 3, where p and g are the bytes of a parameter and of a gradient in the
 compute precision. Mixed precision (bf16/fp16): p = g = 2 and K = 12 (fp32 master weights and two
 Adam moments; the master weights are counted under ``optimizer``). Plain fp32: p = g = 4 and K = 8
 (the parameters are their own master copy). A shard is ``shard_numel(Ψ, N)`` elements (Ψ/N rounded
 up, from :mod:`zeroray.engine.layout`), the same arithmetic the engine uses, so the estimate and
-``engine.memory_report()`` agree.
+``engine.memory_report()`` agree (within the padding of each flat group, a few elements).
 
-Offload follows DeepSpeed's ``offload_optimizer``: the optimizer states (fp32 master weights and
-moments) leave the device, and so does an fp32 copy of the rank's gradient partition, which the
-host-side optimizer reads (DeepSpeed's CPU Adam keeps one). The device keeps its parameters and its
-gradient partition (the reduce buckets the gradients pass through before being copied out). Both
-leave the device as ``offloaded`` bytes: host RAM for ``cpu``, NVMe files for ``nvme`` (NVMe also
-needs pinned host swap buffers, which depend on the swap settings and are not counted). Stage 0
-does not partition, so there the whole optimizer moves.
+Offload (``offload_optimizer``, stages 1-3; the engine refuses it at stage 0) takes the optimizer's
+masters and states off the device, which keeps its parameters and gradients; it is counted as
+``memory_report()`` counts it:
+
+- ``cpu``: ``host`` holds an fp32 master (a separate copy in plain fp32 too: the device keeps its
+  own parameters), the optimizer's states, and the fp32 copy of the gradient partition the host-side
+  step reads: ``(4 + S + 4)`` bytes per element of the partition, S the state bytes (K less the
+  master in mixed precision, K in fp32). On a CPU-only machine the host *is* the device: the engine
+  then makes no copy and reports what it would without offload.
+- ``nvme``: ``nvme`` is the swap files: per sub-group of at most ``sub_group_size`` elements of the
+  partition (packed in order, so all but the last are full), the fp32 master and each fp32 state,
+  every one a segment padded to 4 KiB. ``host`` is the swap buffers: ``min(buffer_count,
+  sub-groups)`` of them, each the largest sub-group's segments. No fp32 gradient copy persists
+  (gradients are cast one sub-group at a time, as it is stepped).
+
+``offloaded`` is ``host + nvme``. Not counted: model buffers, activations, the reduce buckets'
+temporaries and the step's transient fp32 copy of one sub-group's gradients.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
+from zeroray.config import OffloadConfig, ZeroConfig
 from zeroray.engine.layout import shard_numel
+from zeroray.engine.swap import aligned
 
 Precision = Literal["fp32", "bf16", "fp16"]
 Offload = Literal["none", "cpu", "nvme"]
 
 STAGES = (0, 1, 2, 3)
-_FP32_GRAD_COPY = 4  # bytes per element of the host-side fp32 gradient partition under offload
+OFFLOAD_STAGES = (1, 2, 3)  # offload needs a sharded optimizer (ZeroConfig refuses stage 0)
+_F32 = 4  # bytes of an fp32 master, state or gradient element
+SUB_GROUP_SIZE = ZeroConfig().sub_group_size  # the engine's defaults
+BUFFER_COUNT = OffloadConfig().buffer_count
 
 
 def precision_bytes(precision: Precision, optimizer_bytes: int | None = None) -> tuple[int, int, int]:
@@ -46,19 +63,37 @@ def precision_bytes(precision: Precision, optimizer_bytes: int | None = None) ->
     return p, p, k
 
 
+def swap_bytes(numel: int, segments: int, sub_group_size: int, buffer_count: int) -> tuple[int, int]:
+    """``(host, nvme)`` bytes of NVMe offload for a partition of ``numel`` elements stepped in
+    sub-groups of at most ``sub_group_size``: the buffer pool and the swap files."""
+    full, rest = divmod(numel, sub_group_size)
+    subs = full + (rest > 0)
+    files = segments * (full * aligned(sub_group_size * _F32) + (aligned(rest * _F32) if rest else 0))
+    largest = aligned(min(numel, sub_group_size) * _F32)
+    return min(buffer_count, subs) * segments * largest, files
+
+
 def _one_stage(
-    numel: int, world_size: int, stage: int, p: int, g: int, k: int, offload: Offload
+    numel: int, world_size: int, stage: int, p: int, g: int, k: int, offload: Offload, mixed: bool,
+    sub_group_size: int, buffer_count: int,
 ) -> dict[str, int | str]:
     shard = shard_numel(numel, world_size)
     params = numel if stage < 3 else shard
     grads = numel if stage < 2 else shard
     opt = numel if stage < 1 else shard
     out: dict[str, int | str] = {"params": p * params, "grads": g * grads, "optimizer": k * opt}
-    out["offloaded"] = 0
+    host = nvme = 0
     if offload != "none":
-        out["offloaded"] = k * opt + _FP32_GRAD_COPY * opt
+        state_bytes = max(k - _F32, 0) if mixed else k  # K counts the master only in mixed precision
+        if offload == "cpu":
+            host = (_F32 + state_bytes + _F32) * opt  # master + states + the fp32 gradient copy
+        else:
+            segments = 1 + math.ceil(state_bytes / _F32)  # the master and each state, in fp32
+            host, nvme = swap_bytes(opt, segments, sub_group_size, buffer_count)
         out["optimizer"] = 0
     out["total"] = out["params"] + out["grads"] + out["optimizer"]
+    out["host"], out["nvme"] = host, nvme
+    out["offloaded"] = host + nvme
     out["offload_device"] = offload
     return out
 
@@ -71,14 +106,19 @@ def estimate(
     offload: Offload = "none",
     optimizer_bytes: int | None = None,
     reduce_dtype: Precision | None = None,
+    sub_group_size: int = SUB_GROUP_SIZE,
+    buffer_count: int = BUFFER_COUNT,
 ) -> dict:
     """Per-rank model-state bytes, so a run can be sized before it is launched.
 
-    Returns, for one ``stage``, ``{"params", "grads", "optimizer", "total", "offloaded",
-    "offload_device"}`` (bytes; ``total`` is what stays on the device, ``offloaded`` what lives in
-    host RAM or on NVMe). With ``stage=None``, a dict ``{stage: that dict}`` for stages 0-3.
+    Returns, for one ``stage``, ``{"params", "grads", "optimizer", "total", "host", "nvme",
+    "offloaded", "offload_device"}`` (bytes; ``total`` is what stays on the device, ``host`` and
+    ``nvme`` what offload puts in host memory and in swap files, ``offloaded`` their sum). With
+    ``stage=None``, a dict ``{stage: that dict}`` for stages 0-3 (1-3 with offload).
     ``optimizer_bytes`` overrides K (e.g. 4 for SGD with momentum in fp32). ``reduce_dtype``: the
     gradients' precision when it differs from the parameters' (``PrecisionPolicy.reduce_dtype``).
+    ``sub_group_size`` and ``buffer_count``: the NVMe offload settings (ZeroConfig's keys and
+    defaults), which size the swap buffers in host memory.
     """
     numel = round(params)
     if numel < 1:
@@ -87,11 +127,21 @@ def estimate(
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if offload not in ("none", "cpu", "nvme"):
         raise ValueError(f"offload must be 'none', 'cpu' or 'nvme', got {offload!r}")
+    for name, value in (("sub_group_size", sub_group_size), ("buffer_count", buffer_count)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     p, g, k = precision_bytes(precision, optimizer_bytes)
     if reduce_dtype is not None:
         g = precision_bytes(reduce_dtype)[0]
-    if stage is None:
-        return {s: _one_stage(numel, world_size, s, p, g, k, offload) for s in STAGES}
-    if stage not in STAGES:
+    stages = STAGES if offload == "none" else OFFLOAD_STAGES
+    if stage is not None and stage not in stages:
+        if stage == 0:
+            raise ValueError(
+                f"offload {offload!r} needs a sharded optimizer (stage 1, 2 or 3); stage 0 keeps it whole on every rank"
+            )
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
-    return _one_stage(numel, world_size, stage, p, g, k, offload)
+    args = (numel, world_size)
+    rest = (p, g, k, offload, precision != "fp32", sub_group_size, buffer_count)
+    if stage is None:
+        return {s: _one_stage(*args, s, *rest) for s in stages}
+    return _one_stage(*args, stage, *rest)
