@@ -296,7 +296,8 @@ def big(nvme_path: str, steps: int = 3) -> dict[str, Any]:
     from zeroray.estimate import estimate
 
     est = {
-        f"{name}": {k: v / GB for k, v in estimate(n, world_size=2, stage=stage, precision="bf16", offload=off).items() if isinstance(v, (int, float))}
+        f"{name}": {k: v / GB for k, v in estimate(n, world_size=2, stage=stage, precision="bf16", offload=off,
+                                                     sub_group_size=30_000_000, buffer_count=3).items() if isinstance(v, (int, float))}
         for name, stage, off in (("DDP (stage 0)", 0, "none"), ("FSDP2 / stage 3, no offload", 3, "none"), ("stage 3 + nvme", 3, "nvme"))
     }
     res = train({"model": model, "zero": zero, "lr": 1e-4, "batch": [1, 32], "steps": steps})
