@@ -165,7 +165,7 @@ def test_a_rank_lost_during_setup_fails_the_start_at_once(ray_cluster):
     start = time.monotonic()
     try:
         with pytest.raises(WorkerGroupStartError, match="setup failed on rank 1") as info:
-            WorkerGroup("setup-loss", pg=None)._get([slow, _dies.remote()], "setup")
+            WorkerGroup("setup-loss")._get([slow, _dies.remote()], "setup")
     finally:
         ray.cancel(slow, force=True)
     assert info.value.rank == 1

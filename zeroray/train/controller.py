@@ -17,6 +17,10 @@ ranks for a recovery point (they save and stop at their next report, recovery_po
 group down and schedules the new size, which resumes from that checkpoint with no step lost. A group
 that cannot be placed at the size the nodes' capacity promised (a dead node Ray still lists, resources
 someone else holds) is retried at the size that is free then.
+
+Ending a group keeps its healthy rank actors for the next one (``WorkerGroup.disband``): only the ranks
+that failed first-hand, died or hung are killed, so a restart or a resize starts new processes only on
+new capacity. Each attempt records how long its start took, by phase (``Attempt.phases``).
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ from zeroray.train.result import Attempt, Result
 from zeroray.train.run_spec import RunSpec
 from zeroray.train.scaling_policy import ScalingDecision, ScalingPolicy
 from zeroray.train.storage import RunStorage
-from zeroray.train.worker_group import WorkerGroup, WorkerGroupStartError
+from zeroray.train.worker_group import RankSlot, WorkerGroup, WorkerGroupStartError, end_slots
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +63,9 @@ ELASTIC_PLACEMENT_RETRY_S = 5.0
 # How long a planned resize waits for the ranks to reach a recovery point (their next zt.report) before it
 # resizes from the newest checkpoint anyway.
 RECOVERY_POINT_WAIT_S = 120.0
+# How long the surviving ranks of a failed group get to see their collectives fail (a killed peer's sockets
+# close at once) and leave their loop before they are killed instead of kept.
+SURVIVOR_RELEASE_S = 10.0
 
 
 class Controller:
@@ -79,6 +86,8 @@ class Controller:
         self.scaling_policy, self.failure_policy = scaling_policy, failure_policy
         self.lease = lease
         self.group: WorkerGroup | None = None
+        self._kept: list[RankSlot] = []  # the last group's healthy ranks, for the next one
+        self._teardown_s: float | None = None  # how long ending the last group took
         self.attempt = 0
         self.state: S.ControllerState | None = None
         self.states: list[S.StateType] = []  # the path taken, for logs and tests
@@ -139,7 +148,7 @@ class Controller:
         if isinstance(state, S.Running):
             return self._poll()
         if isinstance(state, S.Restarting):
-            self._shutdown_group()
+            self._end_group(_first_hand(state.failures), SURVIVOR_RELEASE_S)
             return S.Scheduling(self.scaling_policy.decide_for_new_group())
         if isinstance(state, S.Resizing):
             return self._resize(state)
@@ -177,6 +186,11 @@ class Controller:
             return self._on_failure([failure])
         self.last_pids = self.group.pids
         self._begin_attempt(decision.num_workers, start_step)
+        attempt = self.attempt_history[-1]
+        attempt.kept_ranks = self.group.kept
+        if self._teardown_s is not None:
+            attempt.phases["teardown"] = self._teardown_s
+        attempt.phases.update(self.group.phases)
         self._log_batch(decision)
         return S.Running()
 
@@ -205,6 +219,7 @@ class Controller:
             if policy.elastic and decision.num_workers > policy.scaling_config.min_workers:
                 # leave time for a smaller size within placement_timeout_s
                 window = ELASTIC_PLACEMENT_RETRY_S if remaining is None else min(ELASTIC_PLACEMENT_RETRY_S, remaining / 2)
+            kept, self._kept = self._kept, []  # the group owns them now
             try:
                 group = WorkerGroup.start(
                     spec=self.spec,
@@ -212,12 +227,14 @@ class Controller:
                     per_rank_datasets=self._split_datasets(decision.num_workers),
                     placement_timeout_s=window,
                     hang_timeout_s=self.failure_policy.heartbeat_timeout_s,
+                    kept=kept,
                 )
                 return group, decision
             except WorkerGroupStartError as e:
+                self._kept = e.kept  # a placement timeout gives them back
                 if e.what != "placement" or window == remaining:
                     raise
-                smaller = policy.decide_for_new_group(settled=True)
+                smaller = policy.decide_for_new_group(settled=True, held=len(self._kept))
                 logger.warning("zeroray: a group of %d could not be placed in %gs; trying %d (what is free now)",
                                decision.num_workers, window, smaller.num_workers)
                 decision = smaller
@@ -235,9 +252,7 @@ class Controller:
     def _poll(self) -> S.ControllerState:
         assert self.group is not None
         t = time.monotonic()
-        status = self.group.poll(timeout_s=POLL_INTERVAL_S)
-        for report in status.reports:
-            self._on_report(report)
+        status = self._poll_group(POLL_INTERVAL_S)
         if status.failures:
             return self._on_failure(self._collect_failures(status.failures))
         if status.finished:
@@ -260,9 +275,7 @@ class Controller:
         wait_s = max(RECOVERY_POINT_WAIT_S, self.spec.collective_timeout_s)
         deadline = time.monotonic() + wait_s
         while True:
-            status = self.group.poll(timeout_s=POLL_INTERVAL_S)
-            for report in status.reports:
-                self._on_report(report)
+            status = self._poll_group(POLL_INTERVAL_S)
             if status.failures:
                 return self._on_failure(self._collect_failures(status.failures))
             if status.all_stopped:
@@ -279,8 +292,19 @@ class Controller:
             self.attempt_history[-1].last_step = status.stopped_at
         self._end_attempt("resize_up" if state.decision.num_workers > size else "resize_down",
                           message=f"resized from {size} to {state.decision.num_workers} workers")
-        self._shutdown_group()
+        # Stopped at a recovery point: every rank is released at once; one that did not stop is killed.
+        self._end_group(set(), 0.0 if status.all_stopped else 0.5)
         return S.Scheduling(state.decision)
+
+    def _poll_group(self, timeout_s: float) -> Any:
+        """One poll of the group; its reports go to the callbacks, rank 0's start-up timings to the attempt."""
+        assert self.group is not None
+        status = self.group.poll(timeout_s=timeout_s)
+        for report in status.reports:
+            self._on_report(report)
+        if status.timings and self.attempt_history:
+            self.attempt_history[-1].phases.update(status.timings)
+        return status
 
     def _on_report(self, report: Report) -> None:
         if self.attempt_history and report.ranks and report.ranks[0].global_step is not None:
@@ -302,9 +326,7 @@ class Controller:
             if time.monotonic() - start >= grace:
                 break
             time.sleep(POLL_INTERVAL_S)
-            status = self.group.poll(timeout_s=FAILURE_GRACE_S)
-            for report in status.reports:
-                self._on_report(report)
+            status = self._poll_group(FAILURE_GRACE_S)
             by_rank.update({f.rank: f for f in status.failures})
         if all(f.secondary for f in by_rank.values()):
             # No root cause yet: a rank that has not answered since its peers failed is the likely one (its
@@ -339,9 +361,23 @@ class Controller:
 
     # ------------------------------------------------------------------ helpers
     def _shutdown_group(self) -> None:
+        """Kill everything: the group and any kept ranks."""
+        kept, self._kept = self._kept, []
+        end_slots(kept)
         if self.group is not None:
             group, self.group = self.group, None
             group.shutdown(graceful=False)
+
+    def _end_group(self, failed: set[int], release_timeout_s: float) -> None:
+        """End the group for another attempt, keeping its healthy ranks (``failed``: ranks to kill)."""
+        if self.group is None:
+            return
+        start = time.monotonic()
+        group, self.group = self.group, None
+        self._kept = group.disband(failed, release_timeout_s)
+        self._teardown_s = time.monotonic() - start
+        logger.info("zeroray: group ended in %.1fs; %d rank(s) kept for the next one", self._teardown_s,
+                    len(self._kept))
 
     def _begin_attempt(self, world_size: int, start_step: int) -> None:
         if self.attempt_history:
@@ -389,3 +425,8 @@ class Controller:
             attempts=self.attempt,
             attempt_history=list(self.attempt_history),
         )
+
+
+def _first_hand(failures: list[Failure]) -> set[int]:
+    """Ranks that failed on their own (not through a peer's failure): never reused."""
+    return {f.rank for f in failures if isinstance(f, WorkerFailure) and not f.secondary}
