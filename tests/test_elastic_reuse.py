@@ -1,0 +1,99 @@
+"""A planned resize keeps the rank actors it has: on a real local Ray cluster, an elastic group of 2 (something
+else holds the other CPUs) grows to 3 when they are freed, and the 2 old ranks go on in their own processes;
+only the third rank is a new one. Each rank's placement group is its own, and none is left behind.
+
+(The restart after a SIGKILLed rank, which keeps the other rank, and the hung rank, which is never reused,
+are in test_elastic_faults.py.)
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import ray
+import torch
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+
+import zeroray.train as zt
+from tests.ray_helpers import assert_nothing_left, run_config
+from zeroray.train import ScalingConfig, ZeroTrainer
+
+GLOBAL_BATCH, STEPS, GROW_AT = 6, 8, 3
+
+
+def _growing_loop(config):
+    ctx = zt.get_context()
+    control = Path(config["control"])
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    (control / f"start-w{world}-r{rank}").write_text(str(os.getpid()))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    engine = zt.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x = torch.ones(2, 4)
+    while engine.global_step < STEPS:
+        loss = engine(x).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        zt.report({"loss": loss.item(), "world": world})
+        if world == 2 and engine.global_step == GROW_AT:
+            if rank == 0:
+                (control / "held").write_text("")
+            while True:  # until the grow stops the loop at a recovery point
+                zt.report({"held": 1})
+                time.sleep(0.05)
+
+
+def _wait_for(path: Path, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert time.monotonic() < deadline, f"no {path.name} after {timeout_s:.0f}s"
+        time.sleep(0.05)
+
+
+def test_a_planned_grow_keeps_the_old_ranks_processes(ray_cluster, tmp_path):
+    import threading
+
+    name = "grow-keeps"
+    control = tmp_path / "control"
+    control.mkdir()
+    blocker = placement_group([{"CPU": 2}], name="someone-else-grow")  # the cluster has 4 CPUs: 2 are free
+    ray.get(blocker.ready(), timeout=60)
+    pg_names: list[str] = []
+
+    def free_the_cpus() -> None:
+        _wait_for(control / "held")
+        pg_names.extend(p["name"] for p in placement_group_table().values() if p["state"] == "CREATED")
+        remove_placement_group(blocker)
+
+    freer = threading.Thread(target=free_the_cpus, daemon=True)
+    freer.start()
+    try:
+        result = ZeroTrainer(
+            _growing_loop, train_loop_config={"control": str(control)},
+            zero_config={"train_batch_size": GLOBAL_BATCH, "train_micro_batch_size_per_gpu": 1},
+            scaling_config=ScalingConfig(num_workers=(1, 3), elastic_resize_monitor_interval_s=1.0,
+                                         placement_timeout_s=60),
+            run_config=run_config(tmp_path, name),
+        ).fit()
+    finally:
+        freer.join(timeout=10)
+        if freer.is_alive() or not pg_names:
+            remove_placement_group(blocker)
+    attempts = result.attempt_history
+    assert [(a.world_size, a.end, a.kept_ranks) for a in attempts] == [(2, "resize_up", 0), (3, "finished", 2)], attempts
+    assert (attempts[0].last_step, attempts[1].start_step, attempts[0].steps_lost) == (GROW_AT, GROW_AT, 0)
+
+    pid = {p.name: int(p.read_text()) for p in control.glob("start-*")}
+    old = {pid["start-w2-r0"], pid["start-w2-r1"]}
+    new = {pid["start-w3-r0"], pid["start-w3-r1"], pid["start-w3-r2"]}
+    assert old < new, pid  # the old ranks' processes serve the bigger group; one process is new
+
+    # Each rank had a placement group of its own (one bundle), named after the run.
+    ours = [n for n in pg_names if n.startswith(f"zeroray:{name}:slot-")]
+    assert len(ours) == 2, pg_names
+    assert_nothing_left(name, sorted(new))
+    left = [p["name"] for p in placement_group_table().values()
+            if p["name"].startswith(f"zeroray:{name}") and p["state"] != "REMOVED"]
+    assert left == []
