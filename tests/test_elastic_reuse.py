@@ -102,3 +102,49 @@ def test_a_planned_grow_keeps_the_old_ranks_processes(ray_cluster, tmp_path):
     left = [p["name"] for p in placement_group_table().values()
             if p["name"].startswith(f"zeroray:{name}") and p["state"] != "REMOVED"]
     assert left == []
+
+
+def test_release_stops_rank_0s_commit_from_waiting_for_a_dead_peer(tmp_path):
+    """Rank 0's async save in flight waits for every rank's marker; a peer that died never writes one. Release
+    (a survivor kept for the next group) writes the missing ranks' error markers, so the commit fails at once,
+    uncommitted, instead of holding the rank for the commit timeout."""
+    import threading
+
+    import torch
+
+    from zeroray.checkpoint.commit import await_markers
+    from zeroray.checkpoint.manifest import CheckpointError, part_file
+    from zeroray.checkpoint.writer import SaveHandle
+    from zeroray.storage import open_url
+    from zeroray.train.config import CheckpointConfig
+    from zeroray.train.context import RankInfo, Session, TrainContext
+    from zeroray.train.rank_actor import _join_upload
+    from zeroray.train.run_spec import RunSpec
+
+    run = tmp_path / "run"
+    ckpt = run / "checkpoint_10"
+    ckpt.mkdir(parents=True)
+    fs, path = open_url(str(ckpt), None)
+    handle = SaveHandle(str(ckpt))
+
+    def commit() -> None:  # what rank 0's upload thread does last
+        try:
+            await_markers(fs, path, str(ckpt), 2, timeout=600)
+        except CheckpointError as e:
+            handle.error = e
+
+    handle._thread = threading.Thread(target=commit, daemon=True)
+    handle._thread.start()
+    spec = RunSpec(name="run", run_url=str(run), storage_path=str(tmp_path), storage_options=None, train_fn=print,
+                   train_loop_config=None, pass_config=False, zero_config=None, use_gpu=False,
+                   placement_strategy="PACK", placement_timeout_s=None, collective_timeout_s=60,
+                   checkpoint_config=CheckpointConfig(), samples_per_step=None, progress_bar=False)
+    context = TrainContext(RankInfo(0, 2, 0, 2, 0), "run", str(tmp_path), torch.device("cpu"), str(run))
+    session = Session(context, spec, {}, report_comm=None)
+    session.checkpoint_saver, session.last_saved_step = handle, 10
+
+    start = time.monotonic()
+    assert _join_upload(session, timeout_s=30.0)
+    assert time.monotonic() - start < 30.0
+    assert "the group ended" in str(handle.error)
+    assert {p.name for p in ckpt.iterdir()} == {part_file(0), part_file(1)}  # error markers; no manifest

@@ -31,6 +31,9 @@ from zeroray.train.errors import WorkerFailure, is_collective_error, is_collecti
 from zeroray.train.recovery_point import RecoveryPointReached
 from zeroray.train.run_spec import RunSpec
 
+# How long release lets rank 0's async save commit by itself before it stops the commit's wait for a peer.
+COMMIT_GRACE_S = 1.0
+
 
 def actor_name(run: str, rank: int) -> str:
     """The Ray actor name, so the dashboard shows who is who."""
@@ -204,7 +207,12 @@ class RankActor:
 
 def _join_upload(session: Session, timeout_s: float) -> bool:
     """Wait up to ``timeout_s`` for the rank's async checkpoint save in flight (its error does not matter here:
-    the group has ended). False when it is still running (rank 0 may wait for a dead peer's file)."""
+    the group has ended). False when it is still running.
+
+    Rank 0's upload ends with the commit, which waits for every rank's marker: after a peer died it would wait
+    for the commit timeout (30 minutes). So after a short wait rank 0 writes an error marker for each rank
+    whose marker is missing ("its group ended"), the protocol's own way to stop a commit: the commit fails,
+    the checkpoint stays uncommitted (a later save of that step replaces the directory)."""
     saver = session.checkpoint_saver
     if saver is None:
         return True
@@ -217,5 +225,27 @@ def _join_upload(session: Session, timeout_s: float) -> bool:
 
     waiter = threading.Thread(target=wait, name="zeroray-release-save", daemon=True)
     waiter.start()
-    waiter.join(timeout_s)
+    waiter.join(min(timeout_s, COMMIT_GRACE_S))
+    if waiter.is_alive() and session.context.get_world_rank() == 0 and session.last_saved_step is not None:
+        _abandon_commit(session)
+    waiter.join(max(timeout_s - COMMIT_GRACE_S, 0.0))
     return not waiter.is_alive()
+
+
+def _abandon_commit(session: Session) -> None:
+    """Rank 0: error markers for the ranks that have not written theirs into the save in flight."""
+    from zeroray.checkpoint.commit import write_error_marker
+    from zeroray.checkpoint.manifest import part_file
+    from zeroray.checkpoint.storage import checkpoint_url
+    from zeroray.storage import open_url
+
+    url = checkpoint_url(session.context.trial_dir, session.last_saved_step)
+    try:
+        fs, path = open_url(url, session.storage_options)
+        fs.invalidate_cache(path)
+        present = {os.path.basename(p) for p in fs.ls(path, detail=False)}
+        for rank in range(session.context.get_world_size()):
+            if part_file(rank) not in present:
+                write_error_marker(fs, path, rank, "the group ended (a rank failed) before this rank wrote its file")
+    except Exception:  # storage unreachable: the actor is killed instead of kept
+        pass
