@@ -88,6 +88,8 @@ def test_a_planned_grow_keeps_the_old_ranks_processes(ray_cluster, tmp_path):
     assert [a.end for a in attempts] == ["resize_up"] * (len(sizes) - 1) + ["finished"], attempts
     assert all(a.steps_lost == 0 for a in attempts), attempts
     assert [a.kept_ranks for a in attempts] == [0, *sizes[:-1]], attempts  # every old rank went on
+    # The added rank was started while the smaller group still trained (its placement, process and imports).
+    assert all("prestart" in a.phases for a in attempts[1:]), attempts
 
     pid = {p.name: int(p.read_text()) for p in control.glob("start-*")}
     groups = [{pid[f"start-w{w}-r{r}"] for r in range(w)} for w in sizes]

@@ -20,7 +20,9 @@ someone else holds) is retried at the size that is free then.
 
 Ending a group keeps its healthy rank actors for the next one (``WorkerGroup.disband``): only the ranks
 that failed first-hand, died or hung are killed, so a restart or a resize starts new processes only on
-new capacity. Each attempt records how long its start took, by phase (``Attempt.phases``).
+new capacity. A grow starts its new ranks first, while the group still trains, and asks for the
+recovery point only once they are up. Each attempt records how long its start took, by phase
+(``Attempt.phases``).
 """
 
 from __future__ import annotations
@@ -66,6 +68,9 @@ RECOVERY_POINT_WAIT_S = 120.0
 # How long the surviving ranks of a failed group get to see their collectives fail (a killed peer's sockets
 # close at once) and leave their loop before they are killed instead of kept.
 SURVIVOR_RELEASE_S = 10.0
+# How long the ranks a grow adds may take to be placed and started (while the group trains) before the grow is
+# dropped until the policy's next check.
+SPARE_START_WAIT_S = 60.0
 
 
 class Controller:
@@ -88,6 +93,8 @@ class Controller:
         self.group: WorkerGroup | None = None
         self._kept: list[RankSlot] = []  # the last group's healthy ranks, for the next one
         self._teardown_s: float | None = None  # how long ending the last group took
+        self._spares: list[RankSlot] = []  # ranks started ahead of a grow, while the group trained
+        self._prestart_s: float | None = None  # how long they took to start
         self.attempt = 0
         self.state: S.ControllerState | None = None
         self.states: list[S.StateType] = []  # the path taken, for logs and tests
@@ -188,6 +195,8 @@ class Controller:
         self._begin_attempt(decision.num_workers, start_step)
         attempt = self.attempt_history[-1]
         attempt.kept_ranks = self.group.kept
+        if self._prestart_s is not None:
+            attempt.phases["prestart"], self._prestart_s = self._prestart_s, None
         if self._teardown_s is not None:
             attempt.phases["teardown"] = self._teardown_s
         attempt.phases.update(self.group.phases)
@@ -271,6 +280,10 @@ class Controller:
         new group at the new size, which resumes from it."""
         assert self.group is not None
         size = len(self.group.actors)
+        if state.decision.elastic and state.decision.num_workers > size:
+            following = self._start_spares(state.decision)
+            if following is not None:
+                return following
         self.group.request_recovery_point()
         wait_s = max(RECOVERY_POINT_WAIT_S, self.spec.collective_timeout_s)
         deadline = time.monotonic() + wait_s
@@ -295,6 +308,34 @@ class Controller:
         # Stopped at a recovery point: every rank is released at once; one that did not stop is killed.
         self._end_group(set(), 0.0 if status.all_stopped else 0.5)
         return S.Scheduling(state.decision)
+
+    def _start_spares(self, decision: ScalingDecision) -> S.ControllerState | None:
+        """Start the ranks a grow adds while the group trains (their placement, process start and imports);
+        None once they are up (``self._spares``), else the state to go to: the group failed or finished
+        meanwhile, or the spares could not start (the grow is dropped; the policy asks again at its next check)."""
+        assert self.group is not None
+        spares = self.group.start_spares(self.spec, decision)
+        start = time.monotonic()
+        try:
+            while not spares.ready(POLL_INTERVAL_S):
+                status = self._poll_group(POLL_INTERVAL_S)
+                if status.failures:
+                    spares.end()
+                    return self._on_failure(self._collect_failures(status.failures))
+                if status.finished:
+                    spares.end()
+                    self._end_attempt("finished")
+                    return S.Finished()
+                if time.monotonic() - start > SPARE_START_WAIT_S:
+                    raise TimeoutError(f"not placed and started within {SPARE_START_WAIT_S:.0f}s")
+        except Exception as e:  # the wait timed out, or a spare's actor died while starting
+            spares.end()
+            logger.warning("zeroray: could not start the %d rank(s) to grow to %d (%s: %s); staying at %d",
+                           len(spares.slots), decision.num_workers, type(e).__name__, e, len(self.group.actors))
+            return S.Running()
+        self._spares = spares.slots
+        self._prestart_s = time.monotonic() - start
+        return None
 
     def _poll_group(self, timeout_s: float) -> Any:
         """One poll of the group; its reports go to the callbacks, rank 0's start-up timings to the attempt."""
@@ -361,8 +402,8 @@ class Controller:
 
     # ------------------------------------------------------------------ helpers
     def _shutdown_group(self) -> None:
-        """Kill everything: the group and any kept ranks."""
-        kept, self._kept = self._kept, []
+        """Kill everything: the group, any kept ranks and spares."""
+        kept, self._kept, self._spares = self._kept + self._spares, [], []
         end_slots(kept)
         if self.group is not None:
             group, self.group = self.group, None
@@ -374,7 +415,8 @@ class Controller:
             return
         start = time.monotonic()
         group, self.group = self.group, None
-        self._kept = group.disband(failed, release_timeout_s)
+        self._kept = group.disband(failed, release_timeout_s) + self._spares
+        self._spares = []
         self._teardown_s = time.monotonic() - start
         logger.info("zeroray: group ended in %.1fs; %d rank(s) kept for the next one", self._teardown_s,
                     len(self._kept))

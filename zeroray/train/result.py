@@ -22,7 +22,8 @@ class Attempt:
     ``time.time()``: ``ended_at`` is when the driver noticed the end.
 
     ``kept_ranks``: ranks whose actor (process, imports, bundle) came from the previous attempt; the others
-    were started for it. ``phases``: seconds of its start, in order: ``teardown`` (ending the previous
+    were started for it. ``phases``: seconds of its start, in order: ``prestart`` (a grow only: starting
+    the added ranks while the previous group still trained, not counted against training), ``teardown`` (ending the previous
     group: killing its failed ranks, releasing the others), ``placement`` (the new ranks' bundles),
     ``actors`` (the new ranks' processes: start and imports), ``rendezvous`` (torch.distributed set-up
     on every rank), then on rank 0 ``build`` (the loop's start to ``zt.prepare`` having the engine: model

@@ -189,6 +189,29 @@ class RankSlot:
     own_pg: bool
     name: str
     node: dict[str, Any] = field(default_factory=dict)
+    spare: bool = False  # started ahead of a grow, not yet in a group
+
+
+@dataclass
+class Spares:
+    """New ranks' actors started ahead of a grow while the group still trains, so their placement, process
+    start and imports overlap training instead of stopping it. ``ready`` polls them; the grow then hands
+    them to the next ``WorkerGroup.start`` like kept slots; ``end`` gives them back."""
+
+    slots: list[RankSlot] = field(default_factory=list)
+    refs: list[Any] = field(default_factory=list)  # their node_info calls
+
+    def ready(self, timeout_s: float = 0.0) -> bool:
+        """Whether every spare is up (placed, started, imported); raises when one died."""
+        ready, _ = ray.wait(self.refs, num_returns=len(self.refs), timeout=timeout_s)
+        if len(ready) < len(self.refs):
+            return False
+        for slot, node in zip(self.slots, ray.get(self.refs)):
+            slot.node = node
+        return True
+
+    def end(self) -> None:
+        end_slots(self.slots)
 
 
 class WorkerGroup:
@@ -246,7 +269,9 @@ class WorkerGroup:
         except BaseException:
             end_slots(kept)
             raise
-        group.kept = len(kept)
+        group.kept = sum(not s.spare for s in kept)
+        for s in kept:
+            s.spare = False
         try:
             t1 = time.monotonic()
             group._create_actors(kept, new, decision.resources_per_worker, spec.use_gpu)
@@ -281,33 +306,31 @@ class WorkerGroup:
         nodes = [s.node["node_id"] for s in kept] + [node for *_, node in new]
         order, infos = rank_layout(nodes)
         taken = {s.name for s in kept}
-        remote_cls = ray.remote(RankActor)
-        custom = {k: v for k, v in resources.items() if k not in ("CPU", "GPU", "memory")}
         slots: list[RankSlot] = []
         for i, info in zip(order, infos):
             if i < len(kept):
                 slots.append(kept[i])
                 continue
             pg, bundle, own, _ = new[i - len(kept)]
-            name = actor_name(self.run, info.world_rank)
-            if name in taken:  # a kept actor created as this rank now has another rank
-                name = f"{name}.{uuid.uuid4().hex[:6]}"
-            taken.add(name)
-            actor = remote_cls.options(
-                name=name,
-                num_cpus=resources.get("CPU", 0),
-                num_gpus=resources.get("GPU", 0),
-                memory=resources.get("memory"),
-                resources=custom or None,
-                max_restarts=0,
-                runtime_env=_RANK_RUNTIME_ENV,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle),
-            ).remote(self.run, use_gpu)
-            slots.append(RankSlot(actor, pg, bundle, own, name))
+            slots.append(_new_slot(self.run, info.world_rank, taken, pg, bundle, own, resources, use_gpu))
         self.slots = slots
         fresh = [r for r, s in enumerate(slots) if not s.node]
         for r, node in zip(fresh, self._get([slots[r].actor.node_info.remote() for r in fresh], "node_info", fresh)):
             slots[r].node = node
+
+    def start_spares(self, spec: RunSpec, decision: ScalingDecision) -> Spares:
+        """Ahead of a grow to ``decision``: a placement group and an actor for each rank to add, started while
+        this group trains (see :class:`Spares`)."""
+        per_worker = dict(decision.resources_per_worker)
+        taken = {s.name for s in self.slots}
+        spares = Spares()
+        for k in range(decision.num_workers - len(self.slots)):
+            pg = placement_group([per_worker], strategy="PACK", name=placement_group_name(spec.name, uuid.uuid4().hex[:8]))
+            slot = _new_slot(self.run, len(self.slots) + k, taken, pg, 0, True, per_worker, spec.use_gpu)
+            slot.spare = True
+            spares.slots.append(slot)
+            spares.refs.append(slot.actor.node_info.remote())
+        return spares
 
     def _get(self, refs: list[Any], what: str, ranks: list[int] | None = None) -> list[Any]:
         """The results of one call per rank (``ranks``: whose; default every rank in order), within the group's
@@ -479,6 +502,27 @@ def _kill(actors: list[Any], timeout_s: float = 30.0) -> None:
             except Exception:
                 break
             time.sleep(0.05)
+
+
+def _new_slot(run: str, rank: int, taken: set[str], pg: PlacementGroup, bundle: int, own_pg: bool,
+              resources: dict[str, float], use_gpu: bool) -> RankSlot:
+    """A RankActor on the bundle, named after ``rank`` unless an actor in ``taken`` has that name."""
+    name = actor_name(run, rank)
+    if name in taken:  # a kept actor created as this rank now has another rank
+        name = f"{name}.{uuid.uuid4().hex[:6]}"
+    taken.add(name)
+    custom = {k: v for k, v in resources.items() if k not in ("CPU", "GPU", "memory")}
+    actor = ray.remote(RankActor).options(
+        name=name,
+        num_cpus=resources.get("CPU", 0),
+        num_gpus=resources.get("GPU", 0),
+        memory=resources.get("memory"),
+        resources=custom or None,
+        max_restarts=0,
+        runtime_env=_RANK_RUNTIME_ENV,
+        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle),
+    ).remote(run, use_gpu)
+    return RankSlot(actor, pg, bundle, own_pg, name)
 
 
 def _remove_pgs(pgs: list[PlacementGroup]) -> None:
