@@ -65,9 +65,11 @@ ELASTIC_PLACEMENT_RETRY_S = 5.0
 # How long a planned resize waits for the ranks to reach a recovery point (their next zt.report) before it
 # resizes from the newest checkpoint anyway.
 RECOVERY_POINT_WAIT_S = 120.0
-# How long the surviving ranks of a failed group get to see their collectives fail (a killed peer's sockets
-# close at once) and leave their loop before they are killed instead of kept.
-SURVIVOR_RELEASE_S = 10.0
+# How long the surviving ranks of a failed group get to see their collectives fail and leave their loop before
+# they are killed instead of kept. A rank whose peer died fails at once (the socket closes); one waiting in a
+# collective on a live peer that already gave up on it waits for collective_timeout_s (gloo cannot abort a
+# collective, and the peer's queued async operations keep its sockets open), so waiting longer rarely helps.
+SURVIVOR_RELEASE_S = 3.0
 # How long the ranks a grow adds may take to be placed and started (while the group trains) before the grow is
 # dropped until the policy's next check.
 SPARE_START_WAIT_S = 60.0
@@ -198,7 +200,7 @@ class Controller:
         if self._prestart_s is not None:
             attempt.phases["prestart"], self._prestart_s = self._prestart_s, None
         if self._teardown_s is not None:
-            attempt.phases["teardown"] = self._teardown_s
+            attempt.phases["teardown"], self._teardown_s = self._teardown_s, None
         attempt.phases.update(self.group.phases)
         self._log_batch(decision)
         return S.Running()

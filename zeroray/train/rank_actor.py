@@ -176,18 +176,21 @@ class RankActor:
         if self.session is not None:
             self.session.stop_requested = True
 
-    def release(self, timeout_s: float) -> bool:
+    def release(self, timeout_s: float) -> str | None:
         """Make this process ready for another group: wait up to ``timeout_s`` for the loop to end (a failed
         peer makes its collectives fail; a recovery point has ended it already), join its checkpoint upload,
-        leave the process group. False: the loop or the upload is still running, so the actor must be killed
-        (a stale upload could commit into a checkpoint directory the next group writes)."""
+        leave the process group. None when done; else why not (the loop or the upload is still running), and
+        the actor must be killed (a stale upload could commit into a checkpoint directory the next group
+        writes)."""
         deadline = time.monotonic() + timeout_s
         if self.thread is not None:
             self.thread.join(timeout_s)
             if self.thread.is_alive():
-                return False
+                where = self.session.waiting_in if self.session is not None else None
+                return (f"its loop was still running after {timeout_s:g}s ("
+                        f"{'in zt.report' if where == 'report' else 'at its end' if where == 'end' else 'in the loop'})")
         if self.session is not None and not _join_upload(self.session, max(deadline - time.monotonic(), 0.5)):
-            return False
+            return f"its checkpoint upload was still running after {timeout_s:g}s"
         for callback in self.session.report_callbacks if self.session is not None else []:
             gauges = getattr(callback, "gauges", None)  # RankMetrics: stop re-sending this group's rank's series
             if gauges is not None:
@@ -196,7 +199,7 @@ class RankActor:
         rendezvous.destroy_process_group()
         self._clear_loop()
         gc.collect()  # the last group's engine and model, before the next one builds its own
-        return True
+        return None
 
     def shutdown(self) -> None:
         """Leave the process group when the loop is not stuck in a collective (else the actor is killed)."""

@@ -453,11 +453,14 @@ class WorkerGroup:
             refs = [self.slots[r].actor.release.remote(release_timeout_s) for r in candidates]
             ready, _ = ray.wait(refs, num_returns=len(refs), timeout=release_timeout_s + ACTOR_RELEASE_SLACK_S)
             ready_set = set(ready)
-            for ref in refs:
+            for rank, ref in zip(candidates, refs):
                 try:
-                    released.append(ref in ready_set and ray.get(ref) is True)
-                except Exception:  # the actor died meanwhile
-                    released.append(False)
+                    why = ray.get(ref) if ref in ready_set else "it did not answer"
+                except Exception as e:  # the actor died meanwhile
+                    why = f"{type(e).__name__}"
+                released.append(why is None)
+                if why is not None:
+                    logger.warning("zeroray: rank %d%s is not kept for the next group: %s", rank, self._where(rank), why)
         kept = [self.slots[r] for r, ok in zip(candidates, released) if ok]
         kept_ids = {id(s) for s in kept}
         end_slots([s for s in self.slots if id(s) not in kept_ids], keep_pg=kept[0].pg if kept and not kept[0].own_pg
