@@ -355,18 +355,19 @@ def _chaos_report(args, result, events, t_start: float, t_end: float) -> None:
     if phases:
         names = [p for p in PHASES if any(p in row for row in phases.values())]
         lines += ["", "Where a new attempt's start goes (median seconds by phase, `Attempt.phases`; kept: ranks whose "
-                  "actor came from the attempt before):", "",
-                  "| attempt after | n | kept / world | " + " | ".join(names) + " | sum |",
+                  "actor came from the attempt before; prestart: a grow's new ranks started while the old group "
+                  "trained):", "",
+                  "| attempt after | n | kept / world | " + " | ".join(names) + " | sum (training stopped) |",
                   "|---|---|---|" + "---|" * len(names) + "---|"]
         for why, row in phases.items():
             lines.append(f"| {why} | {row['n']} | {row['kept']:.1f} / {row['world']:.1f} | "
                          + " | ".join(f"{row[p]:.2f}" if p in row else "" for p in names)
-                         + f" | {sum(row.get(p, 0.0) for p in names):.2f} |")
+                         + f" | {sum(row.get(p, 0.0) for p in names if p != 'prestart'):.2f} |")
     Path(args.out + ".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
-PHASES = ("teardown", "placement", "actors", "rendezvous", "build", "load", "first_step")
+PHASES = ("prestart", "teardown", "placement", "actors", "rendezvous", "build", "load", "first_step")
 
 
 def _phase_table(attempts: list) -> dict[str, dict[str, float]]:
