@@ -70,6 +70,9 @@ RECOVERY_POINT_WAIT_S = 120.0
 # collective on a live peer that already gave up on it waits for collective_timeout_s (gloo cannot abort a
 # collective, and the peer's queued async operations keep its sockets open), so waiting longer rarely helps.
 SURVIVOR_RELEASE_S = 3.0
+# After a hung rank: it is killed only now, and its peers see its sockets close only once its process is gone
+# (a SIGSTOPped process dies a few seconds after Ray reports the actor dead), so they get longer.
+SURVIVOR_RELEASE_AFTER_HANG_S = 10.0
 # How long the ranks a grow adds may take to be placed and started (while the group trains) before the grow is
 # dropped until the policy's next check.
 SPARE_START_WAIT_S = 60.0
@@ -157,7 +160,8 @@ class Controller:
         if isinstance(state, S.Running):
             return self._poll()
         if isinstance(state, S.Restarting):
-            self._end_group(_first_hand(state.failures), SURVIVOR_RELEASE_S)
+            hung = any(getattr(f, "hung", False) for f in state.failures)
+            self._end_group(_first_hand(state.failures), SURVIVOR_RELEASE_AFTER_HANG_S if hung else SURVIVOR_RELEASE_S)
             return S.Scheduling(self.scaling_policy.decide_for_new_group())
         if isinstance(state, S.Resizing):
             return self._resize(state)
