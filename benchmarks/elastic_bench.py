@@ -28,7 +28,10 @@ a new one added ``--down-for`` s later. Reported:
   sizes available (each size's fault-free rate: the median step time of that size's steady reports);
 - recovery: from a node's removal to the first report of the next group, p50 / p95;
 - steps lost per failure (recovery reads the newest committed checkpoint: storage only);
-- scale-up latency: from a node's addition to the first report at the larger size.
+- scale-up latency: from a node's addition to the first report at the larger size;
+- where a restart's and a grow's time goes: the median of each start-up phase (``Attempt.phases``:
+  teardown, placement, actors, rendezvous, build, load, first step) and how many ranks each attempt kept
+  from the one before (``Attempt.kept_ranks``: no new process, imports or placement for them).
 
 Results: benchmarks/results/elastic_chaos.{json,md}.
 """
@@ -314,6 +317,7 @@ def _chaos_report(args, result, events, t_start: float, t_end: float) -> None:
             if nxt:
                 scale_up.append(nxt["t"] - t)
     failures = [a for a in result.attempt_history if a.end == "failure"]
+    phases = _phase_table(result.attempt_history)
     out = {
         "machine": f"{platform.node()} ({os.cpu_count()} cores)",
         "minutes": args.minutes, "kill_every_s": args.kill_every, "down_for_s": args.down_for,
@@ -321,7 +325,7 @@ def _chaos_report(args, result, events, t_start: float, t_end: float) -> None:
         "useful_steps": useful, "fault_free_steps": ideal, "goodput": useful / ideal if ideal else None,
         "fault_free_steps_per_s": rate, "recovery_s": _stats(recovery), "scale_up_s": _stats(scale_up),
         "steps_lost": _stats([a.steps_lost for a in failures if a.steps_lost is not None]),
-        "attempts": [a.as_dict() for a in result.attempt_history], "events": events,
+        "phases": phases, "attempts": [a.as_dict() for a in result.attempt_history], "events": events,
         "series": [(h["t"] - t_start, h["world"], h["_global_step"]) for h in rows],
     }
     Path(args.out + ".json").write_text(json.dumps(out, indent=1, default=str))
@@ -348,8 +352,40 @@ def _chaos_report(args, result, events, t_start: float, t_end: float) -> None:
                      f"p95 {up['p95']:.1f} s | ≤ 5 s |")
     lines += ["", "Fault-free steps/s by world size (steady reports of this run): "
               + ", ".join(f"{w}: {r:.2f}" for w, r in sorted(rate.items()))]
+    if phases:
+        names = [p for p in PHASES if any(p in row for row in phases.values())]
+        lines += ["", "Where a new attempt's start goes (median seconds by phase, `Attempt.phases`; kept: ranks whose "
+                  "actor came from the attempt before; prestart: a grow's new ranks started while the old group "
+                  "trained):", "",
+                  "| attempt after | n | kept / world | " + " | ".join(names) + " | sum (training stopped) |",
+                  "|---|---|---|" + "---|" * len(names) + "---|"]
+        for why, row in phases.items():
+            lines.append(f"| {why} | {row['n']} | {row['kept']:.1f} / {row['world']:.1f} | "
+                         + " | ".join(f"{row[p]:.2f}" if p in row else "" for p in names)
+                         + f" | {sum(row.get(p, 0.0) for p in names if p != 'prestart'):.2f} |")
     Path(args.out + ".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+PHASES = ("prestart", "teardown", "placement", "actors", "rendezvous", "build", "load", "first_step")
+
+
+def _phase_table(attempts: list) -> dict[str, dict[str, float]]:
+    """Median start-up phases of the attempts that followed a failure, and of those that followed a grow."""
+    groups: dict[str, list] = {}
+    for before, after in zip(attempts, attempts[1:]):
+        if before.end in ("failure", "resize_up") and getattr(after, "phases", None):
+            groups.setdefault(before.end, []).append(after)
+    table = {}
+    for why, group in groups.items():
+        row: dict[str, float] = {"n": len(group), "kept": float(np.median([a.kept_ranks for a in group])),
+                                 "world": float(np.median([a.world_size for a in group]))}
+        for p in PHASES:
+            values = [a.phases[p] for a in group if p in a.phases]
+            if values:
+                row[p] = float(np.median(values))
+        table[why] = row
+    return table
 
 
 def main() -> None:

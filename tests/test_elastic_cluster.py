@@ -1,13 +1,16 @@
-"""An elastic run on a simulated multi-node cluster (``ray.cluster_utils.Cluster``, conftest's ray_multinode):
-it grows when a node is added (a planned resize: 0 steps lost), shrinks when a node is removed without
-warning (at most the steps since the last checkpoint lost), reshards its ZeRO-3 checkpoint across world
-sizes 2 -> 3 -> 2, and ends with the same parameters and per-step losses as a fixed-size run on the
-same global batch and samples.
+"""An elastic run on a simulated multi-node cluster (``ray.cluster_utils.Cluster``): it grows when a node is
+added (a planned resize: 0 steps lost, the old ranks keep their processes), shrinks when a node is removed
+without warning (at most the steps since the last checkpoint lost; the survivors keep their processes),
+reshards its ZeRO-3 checkpoint across world sizes 2 -> 3 -> 2, and ends with the same parameters and
+per-step losses as a fixed-size run on the same global batch and samples.
 
-The driver runs in a subprocess (``python -m tests.test_elastic_cluster``) connected to the cluster;
-this process adds and removes the nodes. The loop holds at chosen steps (it keeps reporting without
-training) until the group changes, so each node event lands at a known step, whatever the machine's
-speed.
+The cluster lives in a process of its own (``python -m tests.test_elastic_cluster host <dir>``), which
+adds and removes the nodes and tears the cluster down; the driver runs in another
+(``... drive <address> <dir>``) connected to it. The pytest process never talks to that cluster's GCS:
+when it hosted the Cluster itself, Ray's GCS client ended the whole pytest process 10-20 minutes after
+the teardown ("GCS unavailable for more than 60 s"). The loop holds at chosen steps (it keeps reporting
+without training) until the group changes, so each node event lands at a known step, whatever the
+machine's speed.
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 import torch
 
 GLOBAL_BATCH, MICRO, STEPS, CHECKPOINT_EVERY = 24, 2, 16, 4
@@ -102,7 +104,8 @@ def _drive(address: str, out: Path) -> None:
     deadline = time.monotonic() + 30
     while True:
         actors = [a for a in ray.util.list_named_actors(all_namespaces=True) if "zeroray:elastic:" in str(a)]
-        pgs = [p for p in placement_group_table().values() if p["name"] == "zeroray:elastic" and p["state"] != "REMOVED"]
+        pgs = [p for p in placement_group_table().values()
+               if p["name"].startswith("zeroray:elastic") and p["state"] != "REMOVED"]
         if (not actors and not pgs) or time.monotonic() > deadline:
             break
         time.sleep(0.2)
@@ -114,20 +117,58 @@ def _drive(address: str, out: Path) -> None:
     ray.shutdown()
 
 
+# Ray's node health check, tightened: a node lost without warning is declared dead after about 3 x 500 ms.
+HEALTH_CHECK_CONFIG = {
+    "health_check_initial_delay_ms": 0,
+    "health_check_period_ms": 500,
+    "health_check_timeout_ms": 1000,
+    "health_check_failure_threshold": 3,
+}
+
+
+def _host(out: Path) -> None:
+    """The cluster's own process: a head without CPUs and two one-CPU nodes; the driver in a subprocess; a third
+    node added when the group of 2 holds, removed without warning when the group of 3 holds; then teardown.
+    Writes out/host.json (the removed node and when) and the driver's output to out/driver.log."""
+    import ray._private.utils
+    from ray.cluster_utils import Cluster
+
+    ray._private.utils.write_ray_address = lambda *a, **k: None  # no other ray.init() on the machine joins it
+    cluster = Cluster(initialize_head=True, connect=False,
+                      head_node_args={"num_cpus": 0, "include_dashboard": False, "_system_config": HEALTH_CHECK_CONFIG})
+    control = out / "control"
+    try:
+        for _ in range(2):
+            cluster.add_node(num_cpus=1)
+        with open(out / "driver.log", "w") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "tests.test_elastic_cluster", "drive", cluster.address,
+                                     str(out)], cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
+            try:
+                _wait_for(control / "held-2-5", proc)  # 2 nodes: a group of 2 (max 4), held at step 5
+                third = cluster.add_node(num_cpus=1)  # -> grows to 3 at the next check, from a recovery point at 5
+                _wait_for(control / "held-3-10", proc)
+                removed_at = time.time()
+                cluster.remove_node(third, allow_graceful=False)  # a node lost without warning, its rank with it
+                (out / "host.json").write_text(json.dumps({"removed": third.node_id, "removed_at": removed_at}))
+                proc.wait(timeout=300)
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait(timeout=30)
+    finally:
+        for node in list(cluster.worker_nodes):
+            cluster.remove_node(node, allow_graceful=False)
+        cluster.remove_node(cluster.head_node, allow_graceful=False)
+
+
 def _wait_for(path: Path, proc: subprocess.Popen, timeout_s: float = 240.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not path.exists():
         if proc.poll() is not None:
-            raise AssertionError(f"the driver exited ({proc.returncode}) before {path.name}:\n{_output(proc)}")
+            raise RuntimeError(f"the driver exited ({proc.returncode}) before {path.name}")
         if time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError(f"no {path.name} after {timeout_s:.0f}s:\n{_output(proc)}")
+            raise RuntimeError(f"no {path.name} after {timeout_s:.0f}s")
         time.sleep(0.1)
-
-
-def _output(proc: subprocess.Popen) -> str:
-    out, _ = proc.communicate(timeout=30) if proc.poll() is not None else ("", "")
-    return (out or "")[-6000:]
 
 
 def _reference() -> tuple[dict[str, torch.Tensor], list[float]]:
@@ -146,31 +187,16 @@ def _reference() -> tuple[dict[str, torch.Tensor], list[float]]:
     return {k: v.detach().clone() for k, v in model.named_parameters()}, losses
 
 
-# Out of the default suite: twice the whole suite's pytest process was ended by Ray ("GCS has been
-# unavailable for more than 60 seconds ... The program will terminate") 10-20 minutes after this
-# module's in-process Cluster was torn down, though the session cluster's GCS was alive; run it with
-# `pytest -m slow tests/test_elastic_cluster.py` until the cluster runs in a process of its own.
-@pytest.mark.slow
-def test_elastic_run_grows_and_shrinks_with_nodes_and_matches_a_fixed_run(ray_multinode, tmp_path):
-    cluster = ray_multinode
-    control = tmp_path / "control"
-    control.mkdir()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.test_elastic_cluster", cluster.address, str(tmp_path)],
-        cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])},
-    )
-    try:
-        _wait_for(control / "held-2-5", proc)  # 2 nodes: a group of 2 (max 4), held at step 5
-        third = cluster.add_node(num_cpus=1)  # -> grows to 3 at the next check, from a recovery point at step 5
-        _wait_for(control / "held-3-10", proc)
-        removed_at = time.time()
-        cluster.remove_node(third, allow_graceful=False)  # a node lost without warning, its rank with it
-        proc.wait(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, _output(proc)
+def test_elastic_run_grows_and_shrinks_with_nodes_and_matches_a_fixed_run(tmp_path):
+    (tmp_path / "control").mkdir()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
+    host = subprocess.run([sys.executable, "-m", "tests.test_elastic_cluster", "host", str(tmp_path)], cwd=REPO_ROOT,
+                          env=env, capture_output=True, text=True, timeout=900)
+    log = tmp_path / "driver.log"
+    driver_log = log.read_text()[-6000:] if log.exists() else ""
+    assert host.returncode == 0 and (tmp_path / "result.json").exists(), (
+        f"host exited {host.returncode}:\n{host.stdout[-3000:]}{host.stderr[-3000:]}\ndriver:\n{driver_log}")
+    removed = json.loads((tmp_path / "host.json").read_text())
     out = json.loads((tmp_path / "result.json").read_text())
     attempts = out["attempts"]
     summary = [(a["world_size"], a["start_step"], a["last_step"], a["end"], a["steps_lost"]) for a in attempts]
@@ -179,8 +205,10 @@ def test_elastic_run_grows_and_shrinks_with_nodes_and_matches_a_fixed_run(ray_mu
         (3, 5, 10, "failure", 2),  # the node died at step 10; the newest checkpoint was step 8
         (2, 8, STEPS, "finished", 0),  # shrunk to what was left instead of waiting for the node
     ], attempts
-    assert attempts[1]["node"] == third.node_id, attempts[1]  # the dead node's rank, not a survivor's collective error
-    noticed = attempts[1]["ended_at"] - removed_at
+    assert attempts[1]["node"] == removed["removed"], attempts[1]  # the dead node's rank, not a survivor's error
+    # Only new capacity gets new processes: the grow keeps both old ranks, the shrink both survivors.
+    assert [a["kept_ranks"] for a in attempts] == [0, 2, 2], attempts
+    noticed = attempts[1]["ended_at"] - removed["removed_at"]
     assert 0 < noticed < NODE_LOSS_BOUND_S, f"the lost node was noticed after {noticed:.1f}s"
     assert out["left"] == {"actors": [], "pgs": []}
 
@@ -193,7 +221,7 @@ def test_elastic_run_grows_and_shrinks_with_nodes_and_matches_a_fixed_run(ray_mu
     assert sorted(losses) == list(range(1, STEPS + 1))
     torch.testing.assert_close(torch.tensor([losses[s] for s in range(1, STEPS + 1)]), torch.tensor(ref_losses),
                                rtol=RTOL, atol=0)
-    final = torch.load(control / "final.pt")
+    final = torch.load(tmp_path / "control" / "final.pt")
     flat = torch.cat([final[k].flatten() for k in ref_params])
     ref = torch.cat([v.flatten() for v in ref_params.values()])
     rel = ((flat - ref).norm() / ref.norm()).item()
@@ -201,4 +229,7 @@ def test_elastic_run_grows_and_shrinks_with_nodes_and_matches_a_fixed_run(ray_mu
 
 
 if __name__ == "__main__":
-    _drive(sys.argv[1], Path(sys.argv[2]))
+    if sys.argv[1] == "host":
+        _host(Path(sys.argv[2]))
+    else:
+        _drive(sys.argv[2], Path(sys.argv[3]))

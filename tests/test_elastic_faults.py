@@ -31,10 +31,12 @@ DETECTION_BOUND_S = 20.0  # a correctness bound (noticed at all, and not after t
 
 def _held_loop(config):
     ctx = zt.get_context()
+    control = Path(config["control"])
+    with open(control / f"starts-{ctx.get_world_rank()}", "a") as f:  # one line per group this rank's loop ran in
+        f.write(f"{os.getpid()}\n")
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     engine = zt.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    control = Path(config["control"])
     x = torch.ones(2, 4)
     while engine.global_step < STEPS:
         loss = engine(x).pow(2).mean()
@@ -95,7 +97,16 @@ def test_a_killed_or_hung_rank_is_noticed_and_the_group_restarts(ray_cluster, tm
     recorded = json.loads((tmp_path / "runs" / name / "run.json").read_text())["attempt_history"]
     assert [(a["world_size"], a["end"], a["rank"], a["steps_lost"]) for a in recorded] == [
         (2, "failure", 1, HOLD_AT - 4), (2, "finished", None, 0)]
-    assert_nothing_left(name, [int((control / f"pid-{r}").read_text()) for r in (0, 1)])
+    # Only the rank that was hit gets a new process: rank 0's actor (its process, imports, bundle) is kept; the
+    # killed or hung rank's actor is never reused.
+    starts = {r: [int(p) for p in (control / f"starts-{r}").read_text().split()] for r in (0, 1)}
+    hit_pid = int((control / "pid-1").read_text())
+    assert starts[0][0] == starts[0][1] == int((control / "pid-0").read_text()), starts
+    assert starts[1][0] == hit_pid and starts[1][1] != hit_pid, starts
+    assert (first.kept_ranks, second.kept_ranks) == (0, 1)
+    assert {"teardown", "placement", "actors", "rendezvous", "build", "load", "first_step"} <= set(second.phases)
+    assert all(v >= 0 for v in second.phases.values()), second.phases
+    assert_nothing_left(name, [*starts[0], *starts[1]])
 
 
 def _report_once():
@@ -142,7 +153,7 @@ def test_fewer_resources_than_min_fail_after_the_placement_timeout(ray_cluster, 
         remove_placement_group(blocker)
     message = str(info.value)
     assert message.startswith("zeroray training failed (placement)")
-    assert "could not place 2 bundle(s) of {'CPU': 1.0} (PACK)" in message and "placement_timeout_s=3" in message
+    assert "could not place 2 bundle(s) of {'CPU': 1.0} (one placement group per rank)" in message and "placement_timeout_s=3" in message
     assert time.monotonic() - start < 60
     assert [a.end for a in info.value.result.attempt_history] == ["failure"]
     assert_nothing_left("elastic-unplaceable")
@@ -165,7 +176,7 @@ def test_a_rank_lost_during_setup_fails_the_start_at_once(ray_cluster):
     start = time.monotonic()
     try:
         with pytest.raises(WorkerGroupStartError, match="setup failed on rank 1") as info:
-            WorkerGroup("setup-loss", pg=None)._get([slow, _dies.remote()], "setup")
+            WorkerGroup("setup-loss")._get([slow, _dies.remote()], "setup")
     finally:
         ray.cancel(slow, force=True)
     assert info.value.rank == 1

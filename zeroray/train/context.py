@@ -10,6 +10,7 @@ import dataclasses
 import json
 import os
 import queue
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,7 +104,7 @@ class Session:
     report_comm: Any  # zeroray.engine.Comm over the gloo side group: report barriers, resume choice
     report_callbacks: list[Any] = field(default_factory=list)
     reports: queue.Queue = field(default_factory=queue.Queue)
-    engine: Any = None
+    _engine: Any = field(default=None, repr=False)
     num_reports: int = 0
     waiting_in: str | None = None
     last_report_time: float | None = None
@@ -113,6 +114,19 @@ class Session:
     stop_requested: bool = False  # the driver asked for a recovery point (a planned resize)
     last_saved_step: int | None = None  # global step of this engine's newest save
     checkpoint_load: tuple[float, int] | None = None  # (seconds, bytes) of the resume load, for the metrics
+    engine_ready_at: float | None = None  # time.time() when zt.prepare built the engine (before its resume load)
+
+    @property
+    def engine(self) -> Any:
+        """The engine ``zt.prepare`` built (None before)."""
+        return self._engine
+
+    @engine.setter
+    def engine(self, engine: Any) -> None:
+        # Stamped here, where zt.prepare hands the engine over, so a (re)start's time splits into building the
+        # model and engine, reading the checkpoint and the first step (Attempt.phases).
+        self._engine = engine
+        self.engine_ready_at = time.time() if engine is not None else None
 
     @property
     def zero_config(self) -> Any:

@@ -17,6 +17,12 @@ ranks for a recovery point (they save and stop at their next report, recovery_po
 group down and schedules the new size, which resumes from that checkpoint with no step lost. A group
 that cannot be placed at the size the nodes' capacity promised (a dead node Ray still lists, resources
 someone else holds) is retried at the size that is free then.
+
+Ending a group keeps its healthy rank actors for the next one (``WorkerGroup.disband``): only the ranks
+that failed first-hand, died or hung are killed, so a restart or a resize starts new processes only on
+new capacity. A grow starts its new ranks first, while the group still trains, and asks for the
+recovery point only once they are up. Each attempt records how long its start took, by phase
+(``Attempt.phases``).
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ from zeroray.train.result import Attempt, Result
 from zeroray.train.run_spec import RunSpec
 from zeroray.train.scaling_policy import ScalingDecision, ScalingPolicy
 from zeroray.train.storage import RunStorage
-from zeroray.train.worker_group import WorkerGroup, WorkerGroupStartError
+from zeroray.train.worker_group import RankSlot, WorkerGroup, WorkerGroupStartError, end_slots
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +65,17 @@ ELASTIC_PLACEMENT_RETRY_S = 5.0
 # How long a planned resize waits for the ranks to reach a recovery point (their next zt.report) before it
 # resizes from the newest checkpoint anyway.
 RECOVERY_POINT_WAIT_S = 120.0
+# How long the surviving ranks of a failed group get to see their collectives fail and leave their loop before
+# they are killed instead of kept. A rank whose peer died fails at once (the socket closes); one waiting in a
+# collective on a live peer that already gave up on it waits for collective_timeout_s (gloo cannot abort a
+# collective, and the peer's queued async operations keep its sockets open), so waiting longer rarely helps.
+SURVIVOR_RELEASE_S = 3.0
+# After a hung rank: it is killed only now, and its peers see its sockets close only once its process is gone
+# (a SIGSTOPped process dies a few seconds after Ray reports the actor dead), so they get longer.
+SURVIVOR_RELEASE_AFTER_HANG_S = 10.0
+# How long the ranks a grow adds may take to be placed and started (while the group trains) before the grow is
+# dropped until the policy's next check.
+SPARE_START_WAIT_S = 60.0
 
 
 class Controller:
@@ -79,6 +96,10 @@ class Controller:
         self.scaling_policy, self.failure_policy = scaling_policy, failure_policy
         self.lease = lease
         self.group: WorkerGroup | None = None
+        self._kept: list[RankSlot] = []  # the last group's healthy ranks, for the next one
+        self._teardown_s: float | None = None  # how long ending the last group took
+        self._spares: list[RankSlot] = []  # ranks started ahead of a grow, while the group trained
+        self._prestart_s: float | None = None  # how long they took to start
         self.attempt = 0
         self.state: S.ControllerState | None = None
         self.states: list[S.StateType] = []  # the path taken, for logs and tests
@@ -139,7 +160,8 @@ class Controller:
         if isinstance(state, S.Running):
             return self._poll()
         if isinstance(state, S.Restarting):
-            self._shutdown_group()
+            hung = any(getattr(f, "hung", False) for f in state.failures)
+            self._end_group(_first_hand(state.failures), SURVIVOR_RELEASE_AFTER_HANG_S if hung else SURVIVOR_RELEASE_S)
             return S.Scheduling(self.scaling_policy.decide_for_new_group())
         if isinstance(state, S.Resizing):
             return self._resize(state)
@@ -177,6 +199,13 @@ class Controller:
             return self._on_failure([failure])
         self.last_pids = self.group.pids
         self._begin_attempt(decision.num_workers, start_step)
+        attempt = self.attempt_history[-1]
+        attempt.kept_ranks = self.group.kept
+        if self._prestart_s is not None:
+            attempt.phases["prestart"], self._prestart_s = self._prestart_s, None
+        if self._teardown_s is not None:
+            attempt.phases["teardown"], self._teardown_s = self._teardown_s, None
+        attempt.phases.update(self.group.phases)
         self._log_batch(decision)
         return S.Running()
 
@@ -205,6 +234,7 @@ class Controller:
             if policy.elastic and decision.num_workers > policy.scaling_config.min_workers:
                 # leave time for a smaller size within placement_timeout_s
                 window = ELASTIC_PLACEMENT_RETRY_S if remaining is None else min(ELASTIC_PLACEMENT_RETRY_S, remaining / 2)
+            kept, self._kept = self._kept, []  # the group owns them now
             try:
                 group = WorkerGroup.start(
                     spec=self.spec,
@@ -212,12 +242,14 @@ class Controller:
                     per_rank_datasets=self._split_datasets(decision.num_workers),
                     placement_timeout_s=window,
                     hang_timeout_s=self.failure_policy.heartbeat_timeout_s,
+                    kept=kept,
                 )
                 return group, decision
             except WorkerGroupStartError as e:
+                self._kept = e.kept  # a placement timeout gives them back
                 if e.what != "placement" or window == remaining:
                     raise
-                smaller = policy.decide_for_new_group(settled=True)
+                smaller = policy.decide_for_new_group(settled=True, held=len(self._kept))
                 logger.warning("zeroray: a group of %d could not be placed in %gs; trying %d (what is free now)",
                                decision.num_workers, window, smaller.num_workers)
                 decision = smaller
@@ -235,9 +267,7 @@ class Controller:
     def _poll(self) -> S.ControllerState:
         assert self.group is not None
         t = time.monotonic()
-        status = self.group.poll(timeout_s=POLL_INTERVAL_S)
-        for report in status.reports:
-            self._on_report(report)
+        status = self._poll_group(POLL_INTERVAL_S)
         if status.failures:
             return self._on_failure(self._collect_failures(status.failures))
         if status.finished:
@@ -256,13 +286,15 @@ class Controller:
         new group at the new size, which resumes from it."""
         assert self.group is not None
         size = len(self.group.actors)
+        if state.decision.elastic and state.decision.num_workers > size:
+            following = self._start_spares(state.decision)
+            if following is not None:
+                return following
         self.group.request_recovery_point()
         wait_s = max(RECOVERY_POINT_WAIT_S, self.spec.collective_timeout_s)
         deadline = time.monotonic() + wait_s
         while True:
-            status = self.group.poll(timeout_s=POLL_INTERVAL_S)
-            for report in status.reports:
-                self._on_report(report)
+            status = self._poll_group(POLL_INTERVAL_S)
             if status.failures:
                 return self._on_failure(self._collect_failures(status.failures))
             if status.all_stopped:
@@ -279,8 +311,47 @@ class Controller:
             self.attempt_history[-1].last_step = status.stopped_at
         self._end_attempt("resize_up" if state.decision.num_workers > size else "resize_down",
                           message=f"resized from {size} to {state.decision.num_workers} workers")
-        self._shutdown_group()
+        # Stopped at a recovery point: every rank is released at once; one that did not stop is killed.
+        self._end_group(set(), 0.0 if status.all_stopped else 0.5)
         return S.Scheduling(state.decision)
+
+    def _start_spares(self, decision: ScalingDecision) -> S.ControllerState | None:
+        """Start the ranks a grow adds while the group trains (their placement, process start and imports);
+        None once they are up (``self._spares``), else the state to go to: the group failed or finished
+        meanwhile, or the spares could not start (the grow is dropped; the policy asks again at its next check)."""
+        assert self.group is not None
+        spares = self.group.start_spares(self.spec, decision)
+        start = time.monotonic()
+        try:
+            while not spares.ready(POLL_INTERVAL_S):
+                status = self._poll_group(POLL_INTERVAL_S)
+                if status.failures:
+                    spares.end()
+                    return self._on_failure(self._collect_failures(status.failures))
+                if status.finished:
+                    spares.end()
+                    self._end_attempt("finished")
+                    return S.Finished()
+                if time.monotonic() - start > SPARE_START_WAIT_S:
+                    raise TimeoutError(f"not placed and started within {SPARE_START_WAIT_S:.0f}s")
+        except Exception as e:  # the wait timed out, or a spare's actor died while starting
+            spares.end()
+            logger.warning("zeroray: could not start the %d rank(s) to grow to %d (%s: %s); staying at %d",
+                           len(spares.slots), decision.num_workers, type(e).__name__, e, len(self.group.actors))
+            return S.Running()
+        self._spares = spares.slots
+        self._prestart_s = time.monotonic() - start
+        return None
+
+    def _poll_group(self, timeout_s: float) -> Any:
+        """One poll of the group; its reports go to the callbacks, rank 0's start-up timings to the attempt."""
+        assert self.group is not None
+        status = self.group.poll(timeout_s=timeout_s)
+        for report in status.reports:
+            self._on_report(report)
+        if status.timings and self.attempt_history:
+            self.attempt_history[-1].phases.update(status.timings)
+        return status
 
     def _on_report(self, report: Report) -> None:
         if self.attempt_history and report.ranks and report.ranks[0].global_step is not None:
@@ -302,9 +373,7 @@ class Controller:
             if time.monotonic() - start >= grace:
                 break
             time.sleep(POLL_INTERVAL_S)
-            status = self.group.poll(timeout_s=FAILURE_GRACE_S)
-            for report in status.reports:
-                self._on_report(report)
+            status = self._poll_group(FAILURE_GRACE_S)
             by_rank.update({f.rank: f for f in status.failures})
         if all(f.secondary for f in by_rank.values()):
             # No root cause yet: a rank that has not answered since its peers failed is the likely one (its
@@ -339,9 +408,24 @@ class Controller:
 
     # ------------------------------------------------------------------ helpers
     def _shutdown_group(self) -> None:
+        """Kill everything: the group, any kept ranks and spares."""
+        kept, self._kept, self._spares = self._kept + self._spares, [], []
+        end_slots(kept)
         if self.group is not None:
             group, self.group = self.group, None
             group.shutdown(graceful=False)
+
+    def _end_group(self, failed: set[int], release_timeout_s: float) -> None:
+        """End the group for another attempt, keeping its healthy ranks (``failed``: ranks to kill)."""
+        if self.group is None:
+            return
+        start = time.monotonic()
+        group, self.group = self.group, None
+        self._kept = group.disband(failed, release_timeout_s) + self._spares
+        self._spares = []
+        self._teardown_s = time.monotonic() - start
+        logger.info("zeroray: group ended in %.1fs; %d rank(s) kept for the next one", self._teardown_s,
+                    len(self._kept))
 
     def _begin_attempt(self, world_size: int, start_step: int) -> None:
         if self.attempt_history:
@@ -389,3 +473,8 @@ class Controller:
             attempts=self.attempt,
             attempt_history=list(self.attempt_history),
         )
+
+
+def _first_hand(failures: list[Failure]) -> set[int]:
+    """Ranks that failed on their own (not through a peer's failure): never reused."""
+    return {f.rank for f in failures if isinstance(f, WorkerFailure) and not f.secondary}

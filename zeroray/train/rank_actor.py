@@ -3,13 +3,22 @@
 The user's loop runs in a thread of the actor (as in Ray Train V2), so the actor's own methods stay
 answerable while it trains: the driver polls for reports and errors with ``poll`` and never blocks on
 the loop itself.
+
+One actor serves one group after another: when a group ends (a peer failed, or a planned resize
+stopped the loop at a recovery point), ``release`` waits for the loop to end, joins its checkpoint
+upload and leaves the process group; the next group's ``setup`` gives it its new rank and world and
+runs the loop again (which resumes from the newest checkpoint). So a restart or resize pays for a new
+process, its imports and its placement only on new capacity. An actor whose loop does not end (stuck
+in a collective or in user code) is killed, never reused.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import threading
+import time
 import traceback
 from typing import Any
 
@@ -21,6 +30,9 @@ from zeroray.train.context import RankInfo, Session, TrainContext, set_session
 from zeroray.train.errors import WorkerFailure, is_collective_error, is_collective_timeout
 from zeroray.train.recovery_point import RecoveryPointReached
 from zeroray.train.run_spec import RunSpec
+
+# How long release lets rank 0's async save commit by itself before it stops the commit's wait for a peer.
+COMMIT_GRACE_S = 1.0
 
 
 def actor_name(run: str, rank: int) -> str:
@@ -42,18 +54,24 @@ def _log_info_to_stderr() -> None:
 class RankActor:
     """One rank. Wrapped with ``ray.remote`` by the worker group (kept a plain class for readability)."""
 
-    def __init__(self, run: str, info: RankInfo, use_gpu: bool) -> None:
-        self.run, self.info, self.use_gpu = run, info, use_gpu
+    def __init__(self, run: str, use_gpu: bool) -> None:
+        self.run, self.use_gpu = run, use_gpu
+        self.info: RankInfo | None = None  # this group's rank and world, from setup
+        self._clear_loop()
+        _log_info_to_stderr()
+
+    def _clear_loop(self) -> None:
         self.session: Session | None = None
         self.thread: threading.Thread | None = None
         self.failure: WorkerFailure | None = None
         self.done = False
         self.stopped_at: int | None = None  # the step of the recovery point the loop stopped at
         self.stopped = False
-        _log_info_to_stderr()
+        self.loop_started_at: float | None = None
+        self.timings_sent = False
 
     def __repr__(self) -> str:  # Ray prefixes the actor's log lines with this
-        return actor_name(self.run, self.info.world_rank)
+        return actor_name(self.run, self.info.world_rank) if self.info is not None else f"zeroray:{self.run}:idle"
 
     # ------------------------------------------------------------------ placement and rendezvous
     def node_info(self) -> dict[str, Any]:
@@ -67,16 +85,18 @@ class RankActor:
         """Rank 0 publishes where the group meets."""
         return rendezvous.node_address(), rendezvous.free_port()
 
-    def setup(self, master_addr: str, master_port: int, spec: RunSpec, dataset_shards: dict[str, Any],
-              batch: Any = None, elastic: bool = False) -> None:
-        """Join the process group and build this rank's session. ``batch``: this group's BatchSizes (elastic
-        runs); ``elastic``: agree on recovery points at each report."""
+    def setup(self, master_addr: str, master_port: int, info: RankInfo, spec: RunSpec,
+              dataset_shards: dict[str, Any], batch: Any = None, elastic: bool = False) -> None:
+        """Join the process group as ``info``'s rank and build this rank's session. ``batch``: this group's
+        BatchSizes (elastic runs); ``elastic``: agree on recovery points at each report."""
+        if self.thread is not None:
+            raise RuntimeError("RankActor.setup while the previous group's loop is not released")
+        self.info = info
         device = torch.device("cuda", 0) if self.use_gpu else torch.device("cpu")
         if self.use_gpu:
             torch.cuda.set_device(device)  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU(s)
-        report_group = rendezvous.init_process_group(
-            master_addr, master_port, self.info, spec.backend, spec.collective_timeout_s
-        )
+        report_group = rendezvous.init_process_group(master_addr, master_port, info, spec.backend,
+                                                     spec.collective_timeout_s)
         from zeroray.train.ray_metrics import RankMetrics
 
         callbacks = []
@@ -105,6 +125,7 @@ class RankActor:
         from zeroray.train.reporting import finish
 
         session = self.session
+        self.loop_started_at = time.time()
         try:
             if self.use_gpu:
                 torch.cuda.set_device(session.context.device)  # the current device is per thread
@@ -134,16 +155,100 @@ class RankActor:
             q = self.session.reports
             while not q.empty():
                 reports.append(q.get_nowait())
+        timings = None
+        if reports and not self.timings_sent:
+            self.timings_sent = True
+            timings = self._startup_timings(reports[0].time)
         return {"reports": reports, "done": done, "failure": failure, "stopped": self.stopped and done,
-                "stopped_at": self.stopped_at}
+                "stopped_at": self.stopped_at, "timings": timings}
+
+    def _startup_timings(self, first_report_at: float) -> dict[str, float]:
+        """Seconds from the loop's start to its first report: building the model and engine (until zt.prepare
+        has the engine), reading the checkpoint, the first step (what is left); Attempt.phases."""
+        session, start = self.session, self.loop_started_at
+        ready = session.engine_ready_at if session.engine_ready_at is not None else first_report_at
+        load = session.checkpoint_load[0] if session.checkpoint_load is not None else 0.0
+        return {"build": max(ready - start, 0.0), "load": load,
+                "first_step": max(first_report_at - ready - load, 0.0)}
 
     def request_recovery_point(self) -> None:
         """A planned resize: stop the loop at the next report, after saving the engine (recovery_point.py)."""
         if self.session is not None:
             self.session.stop_requested = True
 
+    def release(self, timeout_s: float) -> str | None:
+        """Make this process ready for another group: wait up to ``timeout_s`` for the loop to end (a failed
+        peer makes its collectives fail; a recovery point has ended it already), join its checkpoint upload,
+        leave the process group. None when done; else why not (the loop or the upload is still running), and
+        the actor must be killed (a stale upload could commit into a checkpoint directory the next group
+        writes)."""
+        deadline = time.monotonic() + timeout_s
+        if self.thread is not None:
+            self.thread.join(timeout_s)
+            if self.thread.is_alive():
+                where = self.session.waiting_in if self.session is not None else None
+                return (f"its loop was still running after {timeout_s:g}s ("
+                        f"{'in zt.report' if where == 'report' else 'at its end' if where == 'end' else 'in the loop'})")
+        if self.session is not None and not _join_upload(self.session, max(deadline - time.monotonic(), 0.5)):
+            return f"its checkpoint upload was still running after {timeout_s:g}s"
+        for callback in self.session.report_callbacks if self.session is not None else []:
+            gauges = getattr(callback, "gauges", None)  # RankMetrics: stop re-sending this group's rank's series
+            if gauges is not None:
+                gauges.close()
+        set_session(None)
+        rendezvous.destroy_process_group()
+        self._clear_loop()
+        gc.collect()  # the last group's engine and model, before the next one builds its own
+        return None
+
     def shutdown(self) -> None:
         """Leave the process group when the loop is not stuck in a collective (else the actor is killed)."""
         set_session(None)
         if self.done:
             rendezvous.destroy_process_group()
+
+
+def _join_upload(session: Session, timeout_s: float) -> bool:
+    """Wait up to ``timeout_s`` for the rank's async checkpoint save in flight (its error does not matter here:
+    the group has ended). False when it is still running.
+
+    Rank 0's upload ends with the commit, which waits for every rank's marker: after a peer died it would wait
+    for the commit timeout (30 minutes). So after a short wait rank 0 writes an error marker for each rank
+    whose marker is missing ("its group ended"), the protocol's own way to stop a commit: the commit fails,
+    the checkpoint stays uncommitted (a later save of that step replaces the directory)."""
+    saver = session.checkpoint_saver
+    if saver is None:
+        return True
+
+    def wait() -> None:
+        try:
+            saver.wait()
+        except Exception:  # the save failed with its group; the next group resumes from a committed one
+            pass
+
+    waiter = threading.Thread(target=wait, name="zeroray-release-save", daemon=True)
+    waiter.start()
+    waiter.join(min(timeout_s, COMMIT_GRACE_S))
+    if waiter.is_alive() and session.context.get_world_rank() == 0 and session.last_saved_step is not None:
+        _abandon_commit(session)
+    waiter.join(max(timeout_s - COMMIT_GRACE_S, 0.0))
+    return not waiter.is_alive()
+
+
+def _abandon_commit(session: Session) -> None:
+    """Rank 0: error markers for the ranks that have not written theirs into the save in flight."""
+    from zeroray.checkpoint.commit import write_error_marker
+    from zeroray.checkpoint.manifest import part_file
+    from zeroray.checkpoint.storage import checkpoint_url
+    from zeroray.storage import open_url
+
+    url = checkpoint_url(session.context.trial_dir, session.last_saved_step)
+    try:
+        fs, path = open_url(url, session.storage_options)
+        fs.invalidate_cache(path)
+        present = {os.path.basename(p) for p in fs.ls(path, detail=False)}
+        for rank in range(session.context.get_world_size()):
+            if part_file(rank) not in present:
+                write_error_marker(fs, path, rank, "the group ended (a rank failed) before this rank wrote its file")
+    except Exception:  # storage unreachable: the actor is killed instead of kept
+        pass

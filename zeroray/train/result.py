@@ -20,6 +20,14 @@ class Attempt:
     that failed first-hand and its Ray node id (failures only); ``steps_lost``: the steps the next
     attempt redid (``last_step`` - the next ``start_step``; 0 for a planned resize). Times are
     ``time.time()``: ``ended_at`` is when the driver noticed the end.
+
+    ``kept_ranks``: ranks whose actor (process, imports, bundle) came from the previous attempt; the others
+    were started for it. ``phases``: seconds of its start, in order: ``prestart`` (a grow only: starting
+    the added ranks while the previous group still trained, not counted against training), ``teardown`` (ending the previous
+    group: killing its failed ranks, releasing the others), ``placement`` (the new ranks' bundles),
+    ``actors`` (the new ranks' processes: start and imports), ``rendezvous`` (torch.distributed set-up
+    on every rank), then on rank 0 ``build`` (the loop's start to ``zt.prepare`` having the engine: model
+    and engine built), ``load`` (reading the checkpoint) and ``first_step`` (to the first report).
     """
 
     index: int
@@ -33,6 +41,8 @@ class Attempt:
     message: str | None = None
     ended_at: float | None = None
     steps_lost: int | None = None
+    kept_ranks: int = 0
+    phases: dict[str, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -152,9 +152,10 @@ class ScalingPolicy(ABC):
         return False
 
     @abstractmethod
-    def decide_for_new_group(self, settled: bool = False) -> ScalingDecision:
+    def decide_for_new_group(self, settled: bool = False, held: int = 0) -> ScalingDecision:
         """How many ranks, with what resources, the next group starts with. ``settled``: a group of the last
-        answer could not be placed, so count what is free now rather than what the nodes hold."""
+        answer could not be placed, so count what is free now rather than what the nodes hold, plus ``held``
+        workers whose bundles the kept ranks of the last group still hold."""
 
     def decide_while_running(self, num_workers: int) -> ScalingDecision | None:
         """None = keep the group as it is."""
@@ -164,7 +165,7 @@ class ScalingPolicy(ABC):
 class FixedScalingPolicy(ScalingPolicy):
     """Always ``num_workers`` ranks; never resizes."""
 
-    def decide_for_new_group(self, settled: bool = False) -> ScalingDecision:
+    def decide_for_new_group(self, settled: bool = False, held: int = 0) -> ScalingDecision:
         return ScalingDecision(self.scaling_config.num_workers, self.scaling_config.worker_resources)
 
 
@@ -213,11 +214,11 @@ class ElasticScalingPolicy(ScalingPolicy):
         return ScalingDecision(num_workers, self.scaling_config.worker_resources, self.plan.for_world(num_workers),
                                elastic=True)
 
-    def decide_for_new_group(self, settled: bool = False) -> ScalingDecision:
-        """Live nodes' capacity (``settled``: what is free now). Fewer than min: ask for min, and the group
-        waits in placement (bounded by ``placement_timeout_s``)."""
+    def decide_for_new_group(self, settled: bool = False, held: int = 0) -> ScalingDecision:
+        """Live nodes' capacity (``settled``: what is free now, plus the ``held`` workers). Fewer than min: ask
+        for min, and the group waits in placement (bounded by ``placement_timeout_s``)."""
         per_node = _available_per_node() if settled else _total_per_node()
-        count = fitting_workers(per_node, self.scaling_config.worker_resources)
+        count = fitting_workers(per_node, self.scaling_config.worker_resources) + (held if settled else 0)
         size = self.largest_feasible(count)
         self._last_check = time.monotonic()
         if size is None:

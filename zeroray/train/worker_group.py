@@ -1,18 +1,27 @@
-"""The worker group: one placement group, one RankActor per rank, and their lifecycle.
+"""The worker group: one RankActor per rank on its placement-group bundle, and their lifecycle.
 
-``WorkerGroup.start`` reserves the bundles, orders ranks so that ranks on one node are contiguous
-(node rank and local rank follow), creates the actors on their bundles, runs the rendezvous and starts
-the loop. ``poll`` gathers reports and failures without blocking on the loop: it waits on every rank at
-once (``ray.wait``), with at most one poll in flight per rank, so a dead rank is seen as soon as Ray
-reports its actor dead and a rank that stops answering (SIGSTOPped, hung) is a failure once it has
-been silent for ``hang_timeout_s``. ``shutdown`` kills the actors, waits until Ray reports them dead,
-and removes the placement group, whatever state they are in.
+``WorkerGroup.start`` places the ranks, orders them so that ranks on one node are contiguous (node rank
+and local rank follow), creates the actors that are missing, runs the rendezvous and starts the loop.
+``poll`` gathers reports and failures without blocking on the loop: it waits on every rank at once
+(``ray.wait``), with at most one poll in flight per rank, so a dead rank is seen as soon as Ray reports
+its actor dead and a rank that stops answering (SIGSTOPped, hung) is a failure once it has been silent
+for ``hang_timeout_s``.
+
+A group's end keeps what can serve the next one (``disband``): the ranks that failed first-hand, died
+or hung are killed; every other rank's actor is released (its loop ended, its process group left) and
+handed, with its bundle, to the next ``start`` as a :class:`RankSlot`. So a restart or a resize starts
+new processes (and pays for their placement, imports and set-up) only on new capacity. Elastic runs give
+every rank a placement group of its own (one bundle), so a dead node takes only its ranks' groups with
+it and a resize adds or removes single ranks; a fixed-size run keeps one placement group with the
+configured strategy. ``shutdown`` kills every actor, waits until Ray reports them dead, and removes the
+placement groups, whatever state they are in.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +46,7 @@ from zeroray.train.scaling_policy import ScalingDecision
 logger = logging.getLogger(__name__)
 
 ACTOR_CALL_TIMEOUT_S = 120.0  # node_info / rendezvous / setup calls; generous for slow image pulls
+ACTOR_RELEASE_SLACK_S = 10.0  # beyond the release wait itself: the call's round trip on a busy node
 
 
 # Ray starts worker processes at niceness 15, below the node's other work; the ranks are the job's main work
@@ -53,10 +63,12 @@ class WorkerGroupStartError(RuntimeError):
     def __init__(self, what: str, message: str, rank: int | None = None) -> None:
         super().__init__(message)
         self.what, self.rank = what, rank
+        self.kept: list[RankSlot] = []  # a placement timeout gives the kept slots back to the caller
 
 
-def placement_group_name(run: str) -> str:
-    return f"zeroray:{run}"
+def placement_group_name(run: str, slot: str | None = None) -> str:
+    """The group's placement group (fixed size); ``slot``: one rank's own (elastic runs)."""
+    return f"zeroray:{run}" if slot is None else f"zeroray:{run}:slot-{slot}"
 
 
 @dataclass
@@ -68,6 +80,7 @@ class PollStatus:
     failures: list[WorkerFailure] = field(default_factory=list)
     stopped: list[bool] = field(default_factory=list)  # the loop ended at a recovery point
     stopped_at: int | None = None
+    timings: dict[str, float] | None = None  # rank 0's start-up seconds, with its first report
 
     @property
     def finished(self) -> bool:
@@ -104,15 +117,51 @@ def rank_layout(bundle_nodes: list[str]) -> tuple[list[int], list[RankInfo]]:
     return order, infos
 
 
-def _wait_for_placement(pg: PlacementGroup, bundles: list[dict[str, float]], strategy: str,
+def _place(spec: RunSpec, decision: ScalingDecision, kept: list[RankSlot],
+           timeout_s: float | None) -> list[tuple[PlacementGroup, int, bool, str]]:
+    """The bundles the ranks beyond ``kept`` go on, placed: (placement group, bundle index, own group, node id).
+
+    Elastic: a one-bundle placement group per new rank. Fixed size: the kept ranks' group when they have one
+    (its free bundles: the failed ranks'), else a new group of ``num_workers`` bundles with the strategy."""
+    per_worker = dict(decision.resources_per_worker)
+    count = decision.num_workers - len(kept)
+    if decision.elastic:
+        pgs = [placement_group([per_worker], strategy="PACK", name=placement_group_name(spec.name, uuid.uuid4().hex[:8]))
+               for _ in range(count)]
+        try:
+            _wait_for_placement([pg.ready() for pg in pgs], [per_worker] * count, "one placement group per rank",
+                                timeout_s, spec.placement_timeout_s)
+        except BaseException:
+            _remove_pgs(pgs)
+            raise
+        return [(pg, 0, True, placement_group_table(pg)["bundles_to_node_id"][0]) for pg in pgs]
+    if kept:
+        pg = kept[0].pg
+        used = {s.bundle for s in kept}
+        nodes = placement_group_table(pg)["bundles_to_node_id"]
+        return [(pg, b, False, nodes[b]) for b in range(decision.num_workers) if b not in used]
+    bundles = [per_worker] * decision.num_workers
+    pg = placement_group(bundles, strategy=spec.placement_strategy, name=placement_group_name(spec.name))
+    try:
+        _wait_for_placement([pg.ready()], bundles, spec.placement_strategy, timeout_s, spec.placement_timeout_s)
+    except BaseException:
+        _remove_pgs([pg])
+        raise
+    nodes = placement_group_table(pg)["bundles_to_node_id"]
+    return [(pg, b, False, nodes[b]) for b in range(decision.num_workers)]
+
+
+def _wait_for_placement(ready: list[Any], bundles: list[dict[str, float]], strategy: str,
                         timeout_s: float | None, configured_s: float | None = None) -> None:
-    """Wait for the bundles; after ``timeout_s`` raise, naming ``configured_s`` (placement_timeout_s: what the
-    user set, of which ``timeout_s`` may be the rest)."""
+    """Wait for the placement groups' ``ready()`` refs; after ``timeout_s`` raise, naming ``configured_s``
+    (placement_timeout_s: what the user set, of which ``timeout_s`` may be the rest)."""
     configured_s = timeout_s if configured_s is None else configured_s
     start = time.monotonic()
-    while True:
-        ready, _ = ray.wait([pg.ready()], timeout=30.0 if timeout_s is None else min(30.0, timeout_s))
-        if ready:
+    pending = list(ready)
+    while pending:
+        wait_s = 30.0 if timeout_s is None else max(min(30.0, timeout_s - (time.monotonic() - start)), 0.0)
+        _, pending = ray.wait(pending, num_returns=len(pending), timeout=wait_s)
+        if not pending:
             return
         waited = time.monotonic() - start
         what = (
@@ -126,22 +175,69 @@ def _wait_for_placement(pg: PlacementGroup, bundles: list[dict[str, float]], str
         logger.warning("zeroray: still waiting to place %s", what)
 
 
-class WorkerGroup:
-    """A started group of rank actors. Create with :meth:`start`; always :meth:`shutdown`."""
+@dataclass
+class RankSlot:
+    """A rank's bundle and the actor on it; handed from one group to the next while both live.
 
-    def __init__(self, run: str, pg: PlacementGroup, hang_timeout_s: float | None = None) -> None:
+    ``pg``/``bundle``: where it is placed; ``own_pg``: the placement group is the slot's own (elastic runs)
+    and goes with it; ``name``: the Ray actor name it was created with (a kept actor keeps it when its rank
+    changes); ``node``: its ``node_info`` (node id, ip, pid, GPU ids)."""
+
+    actor: Any
+    pg: PlacementGroup
+    bundle: int
+    own_pg: bool
+    name: str
+    node: dict[str, Any] = field(default_factory=dict)
+    spare: bool = False  # started ahead of a grow, not yet in a group
+
+
+@dataclass
+class Spares:
+    """New ranks' actors started ahead of a grow while the group still trains, so their placement, process
+    start and imports overlap training instead of stopping it. ``ready`` polls them; the grow then hands
+    them to the next ``WorkerGroup.start`` like kept slots; ``end`` gives them back."""
+
+    slots: list[RankSlot] = field(default_factory=list)
+    refs: list[Any] = field(default_factory=list)  # their node_info calls
+
+    def ready(self, timeout_s: float = 0.0) -> bool:
+        """Whether every spare is up (placed, started, imported); raises when one died."""
+        ready, _ = ray.wait(self.refs, num_returns=len(self.refs), timeout=timeout_s)
+        if len(ready) < len(self.refs):
+            return False
+        for slot, node in zip(self.slots, ray.get(self.refs)):
+            slot.node = node
+        return True
+
+    def end(self) -> None:
+        end_slots(self.slots)
+
+
+class WorkerGroup:
+    """A started group of rank actors. Create with :meth:`start`; end with :meth:`disband` or :meth:`shutdown`."""
+
+    def __init__(self, run: str, hang_timeout_s: float | None = None) -> None:
         self.run = run
-        self.pg = pg
         self.hang_timeout_s = hang_timeout_s
-        self.actors: list[Any] = []
-        self.node_infos: list[dict[str, Any]] = []
+        self.slots: list[RankSlot] = []  # in rank order once started
         self.started_at = time.monotonic()
+        self.phases: dict[str, float] = {}  # seconds of each start-up step (Attempt.phases)
+        self.kept = 0  # ranks whose actor came from the previous group
         self._in_flight: dict[int, Any] = {}  # rank -> its unanswered poll
         self._last_answer: list[float] = []
         self._done: list[bool] = []
         self._stopped: list[bool] = []
         self._stopped_at: int | None = None
         self._gone: set[int] = set()  # dead or declared hung: not polled again
+
+    @property
+    def actors(self) -> list[Any]:
+        return [s.actor for s in self.slots]
+
+    @property
+    def node_infos(self) -> list[dict[str, Any]]:
+        return [s.node for s in self.slots]
 
     @classmethod
     def start(
@@ -152,62 +248,98 @@ class WorkerGroup:
         per_rank_datasets: Callable[[list[str]], list[dict[str, Any]]],
         placement_timeout_s: float | None = None,
         hang_timeout_s: float | None = None,
+        kept: list[RankSlot] | None = None,
     ) -> WorkerGroup:
-        """Reserve, create, rendezvous, start the loop. On any error the partial group is torn down.
-        ``placement_timeout_s``: None = the spec's."""
-        bundles = [dict(decision.resources_per_worker) for _ in range(decision.num_workers)]
-        pg = placement_group(bundles, strategy=spec.placement_strategy, name=placement_group_name(spec.name))
-        group = cls(spec.name, pg, hang_timeout_s)
+        """Place, create, rendezvous, start the loop, reusing the ``kept`` slots of the previous group (the
+        group owns them from here). ``placement_timeout_s``: None = the spec's. On a placement timeout the new
+        bundles are given back and the error's ``kept`` returns the kept slots to the caller; on any other
+        error the whole partial group, kept slots included, is torn down."""
+        group = cls(spec.name, hang_timeout_s)
+        kept = list(kept or [])
+        extra = kept[decision.num_workers:]  # a smaller group: the last ranks go
+        kept = kept[:decision.num_workers]
+        end_slots(extra, keep_pg=kept[0].pg if kept and not kept[0].own_pg else None)
         timeout = spec.placement_timeout_s if placement_timeout_s is None else placement_timeout_s
+        t0 = time.monotonic()
         try:
-            _wait_for_placement(pg, bundles, spec.placement_strategy, timeout, spec.placement_timeout_s)
-            table = placement_group_table(pg)
-            bundle_nodes = [table["bundles_to_node_id"][b] for b in range(len(bundles))]
-            order, infos = rank_layout(bundle_nodes)
-            group._create_actors(order, infos, decision.resources_per_worker, spec.use_gpu)
-            group.node_infos = group._get([a.node_info.remote() for a in group.actors], "node_info")
-            addr, port = group._get([group.actors[0].rendezvous_address.remote()], "rendezvous")[0]
-            shards = per_rank_datasets([info["node_id"] for info in group.node_infos])
+            new = _place(spec, decision, kept, timeout)
+        except WorkerGroupStartError as e:
+            e.kept = kept
+            raise
+        except BaseException:
+            end_slots(kept)
+            raise
+        group.kept = sum(not s.spare for s in kept)
+        for s in kept:
+            s.spare = False
+        try:
+            t1 = time.monotonic()
+            group._create_actors(kept, new, decision.resources_per_worker, spec.use_gpu)
+            t2 = time.monotonic()
+            actors = group.actors
+            addr, port = group._get([actors[0].rendezvous_address.remote()], "rendezvous")[0]
+            shards = per_rank_datasets([s.node["node_id"] for s in group.slots])
             spec_ref = ray.put(spec)  # one copy of the loop and its config for every rank
+            _, infos = rank_layout([s.node["node_id"] for s in group.slots])
             group._get(
-                [a.setup.remote(addr, port, spec_ref, shards[r], decision.batch, decision.elastic)
-                 for r, a in enumerate(group.actors)],
+                [a.setup.remote(addr, port, infos[r], spec_ref, shards[r], decision.batch, decision.elastic)
+                 for r, a in enumerate(actors)],
                 "setup (torch.distributed rendezvous)",
             )
-            group._get([a.start.remote() for a in group.actors], "start")
-            n = len(group.actors)
+            group._get([a.start.remote() for a in actors], "start")
+            group.phases = {"placement": t1 - t0, "actors": t2 - t1, "rendezvous": time.monotonic() - t2}
+            n = len(actors)
             group._last_answer = [time.monotonic()] * n
             group._done, group._stopped = [False] * n, [False] * n
         except BaseException:
             group.shutdown()
+            end_slots(kept)  # those not in the group yet, when creating the actors failed
+            _remove_pgs([pg for pg, *_ in new])
             raise
         return group
 
-    def _create_actors(
-        self, order: list[int], infos: list[RankInfo], resources: dict[str, float], use_gpu: bool
-    ) -> None:
-        remote_cls = ray.remote(RankActor)
-        custom = {k: v for k, v in resources.items() if k not in ("CPU", "GPU", "memory")}
-        for bundle, info in zip(order, infos):
-            name = actor_name(self.run, info.world_rank)
-            actor = remote_cls.options(
-                name=name,
-                num_cpus=resources.get("CPU", 0),
-                num_gpus=resources.get("GPU", 0),
-                memory=resources.get("memory"),
-                resources=custom or None,
-                max_restarts=0,
-                runtime_env=_RANK_RUNTIME_ENV,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle),
-            ).remote(self.run, info, use_gpu)
-            self.actors.append(actor)
+    def _create_actors(self, kept: list[RankSlot], new: list[tuple[PlacementGroup, int, bool, str]],
+                       resources: dict[str, float], use_gpu: bool) -> None:
+        """The slots in rank order: the kept ones and an actor on each new bundle (``new``: placement group,
+        bundle index, whether the group is the slot's own, node id). The new actors' node_info is their process
+        start and imports."""
+        nodes = [s.node["node_id"] for s in kept] + [node for *_, node in new]
+        order, infos = rank_layout(nodes)
+        taken = {s.name for s in kept}
+        slots: list[RankSlot] = []
+        for i, info in zip(order, infos):
+            if i < len(kept):
+                slots.append(kept[i])
+                continue
+            pg, bundle, own, _ = new[i - len(kept)]
+            slots.append(_new_slot(self.run, info.world_rank, taken, pg, bundle, own, resources, use_gpu))
+        self.slots = slots
+        fresh = [r for r, s in enumerate(slots) if not s.node]
+        for r, node in zip(fresh, self._get([slots[r].actor.node_info.remote() for r in fresh], "node_info", fresh)):
+            slots[r].node = node
 
-    def _get(self, refs: list[Any], what: str) -> list[Any]:
-        """The results of one call per rank, within the group's timeout, waiting on all at once: the first call
-        that raises (or whose actor dies) fails the start at once, naming its rank, instead of after the
-        calls of the ranks before it, which may be waiting for it (a rendezvous with a dead rank)."""
+    def start_spares(self, spec: RunSpec, decision: ScalingDecision) -> Spares:
+        """Ahead of a grow to ``decision``: a placement group and an actor for each rank to add, started while
+        this group trains (see :class:`Spares`)."""
+        per_worker = dict(decision.resources_per_worker)
+        taken = {s.name for s in self.slots}
+        spares = Spares()
+        for k in range(decision.num_workers - len(self.slots)):
+            pg = placement_group([per_worker], strategy="PACK", name=placement_group_name(spec.name, uuid.uuid4().hex[:8]))
+            slot = _new_slot(self.run, len(self.slots) + k, taken, pg, 0, True, per_worker, spec.use_gpu)
+            slot.spare = True
+            spares.slots.append(slot)
+            spares.refs.append(slot.actor.node_info.remote())
+        return spares
+
+    def _get(self, refs: list[Any], what: str, ranks: list[int] | None = None) -> list[Any]:
+        """The results of one call per rank (``ranks``: whose; default every rank in order), within the group's
+        timeout, waiting on all at once: the first call that raises (or whose actor dies) fails the start at
+        once, naming its rank, instead of after the calls of the ranks before it, which may be waiting for it
+        (a rendezvous with a dead rank)."""
         deadline = time.monotonic() + ACTOR_CALL_TIMEOUT_S
-        rank_of = {ref: rank for rank, ref in enumerate(refs)}
+        ranks = list(range(len(refs))) if ranks is None else ranks
+        rank_of = dict(zip(refs, ranks))
         pending = list(refs)
         while pending:
             ready, pending = ray.wait(pending, num_returns=1, timeout=max(deadline - time.monotonic(), 0.0))
@@ -254,6 +386,7 @@ class WorkerGroup:
             out = answers[rank]
             if rank == 0:
                 status.reports.extend(out["reports"])
+                status.timings = out.get("timings")
             self._done[rank] = out["done"]
             if out.get("stopped"):
                 self._stopped[rank] = True
@@ -303,34 +436,111 @@ class WorkerGroup:
         return [info["pid"] for info in self.node_infos]
 
     # ------------------------------------------------------------------ teardown
+    def disband(self, failed: set[int], release_timeout_s: float) -> list[RankSlot]:
+        """End the group, keeping what can serve the next one; returns the kept slots in rank order.
+
+        The ``failed`` ranks (first-hand failures), the dead and the hung are killed first (their sockets close,
+        so the others' collectives fail instead of waiting for them); every other rank is asked to release
+        within ``release_timeout_s`` (its loop ends, its process group is left), and killed when it does not.
+        A fixed-size group's placement group is kept only when every bundle of it is still placed."""
+        doomed = [r for r in range(len(self.slots)) if r in failed or r in self._gone]
+        _kill([self.slots[r].actor for r in doomed])
+        candidates = [r for r in range(len(self.slots)) if r not in doomed]
+        if candidates and not self.slots[0].own_pg and not _placed(self.slots[0].pg):
+            candidates = []  # a node of the group is gone: Ray re-places its bundles; start afresh
+        released: list[bool] = []
+        if candidates:
+            refs = [self.slots[r].actor.release.remote(release_timeout_s) for r in candidates]
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=release_timeout_s + ACTOR_RELEASE_SLACK_S)
+            ready_set = set(ready)
+            for rank, ref in zip(candidates, refs):
+                try:
+                    why = ray.get(ref) if ref in ready_set else "it did not answer"
+                except Exception as e:  # the actor died meanwhile
+                    why = f"{type(e).__name__}"
+                released.append(why is None)
+                if why is not None:
+                    logger.warning("zeroray: rank %d%s is not kept for the next group: %s", rank, self._where(rank), why)
+        kept = [self.slots[r] for r, ok in zip(candidates, released) if ok]
+        kept_ids = {id(s) for s in kept}
+        end_slots([s for s in self.slots if id(s) not in kept_ids], keep_pg=kept[0].pg if kept and not kept[0].own_pg
+                   else None)
+        self.slots = []
+        return kept
+
     def shutdown(self, graceful: bool = False, timeout_s: float = 30.0) -> None:
-        """Kill every actor, wait until Ray reports them dead, remove the placement group."""
-        if graceful and self.actors:
+        """Kill every actor, wait until Ray reports them dead, remove the placement group(s)."""
+        if graceful and self.slots:
             try:
                 ray.get([a.shutdown.remote() for a in self.actors], timeout=5.0)
             except Exception:
                 pass  # they are killed below anyway
-        for a in self.actors:
+        end_slots(self.slots, timeout_s=timeout_s)
+        self.slots = []
+
+
+def _placed(pg: PlacementGroup) -> bool:
+    try:
+        return placement_group_table(pg).get("state") == "CREATED"
+    except Exception:
+        return False
+
+
+def _kill(actors: list[Any], timeout_s: float = 30.0) -> None:
+    """Kill the actors and wait (bounded) until Ray reports each dead."""
+    for a in actors:
+        try:
+            ray.kill(a, no_restart=True)
+        except Exception:
+            pass
+    deadline = time.monotonic() + timeout_s
+    for a in actors:
+        while time.monotonic() < deadline:
             try:
-                ray.kill(a, no_restart=True)
+                ray.get(a.__ray_ready__.remote(), timeout=1.0)
+            except RayActorError:
+                break  # dead, as we want
+            except GetTimeoutError:
+                continue
             except Exception:
-                pass
-        deadline = time.monotonic() + timeout_s
-        for a in self.actors:
-            while time.monotonic() < deadline:
-                try:
-                    ray.get(a.__ray_ready__.remote(), timeout=1.0)
-                except RayActorError:
-                    break  # dead, as we want
-                except GetTimeoutError:
-                    continue
-                except Exception:
-                    break
-                time.sleep(0.05)
-        self.actors = []
-        if self.pg is not None:
-            try:
-                remove_placement_group(self.pg)
-            except Exception:
-                pass
-            self.pg = None
+                break
+            time.sleep(0.05)
+
+
+def _new_slot(run: str, rank: int, taken: set[str], pg: PlacementGroup, bundle: int, own_pg: bool,
+              resources: dict[str, float], use_gpu: bool) -> RankSlot:
+    """A RankActor on the bundle, named after ``rank`` unless an actor in ``taken`` has that name."""
+    name = actor_name(run, rank)
+    if name in taken:  # a kept actor created as this rank now has another rank
+        name = f"{name}.{uuid.uuid4().hex[:6]}"
+    taken.add(name)
+    custom = {k: v for k, v in resources.items() if k not in ("CPU", "GPU", "memory")}
+    actor = ray.remote(RankActor).options(
+        name=name,
+        num_cpus=resources.get("CPU", 0),
+        num_gpus=resources.get("GPU", 0),
+        memory=resources.get("memory"),
+        resources=custom or None,
+        max_restarts=0,
+        runtime_env=_RANK_RUNTIME_ENV,
+        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle),
+    ).remote(run, use_gpu)
+    return RankSlot(actor, pg, bundle, own_pg, name)
+
+
+def _remove_pgs(pgs: list[PlacementGroup]) -> None:
+    for pg in pgs:
+        try:
+            remove_placement_group(pg)
+        except Exception:
+            pass
+
+
+def end_slots(slots: list[RankSlot], keep_pg: PlacementGroup | None = None, timeout_s: float = 30.0) -> None:
+    """Kill the slots' actors and remove their placement groups (each once), except ``keep_pg``."""
+    _kill([s.actor for s in slots], timeout_s)
+    pgs: dict[Any, PlacementGroup] = {}
+    for s in slots:
+        if keep_pg is None or s.pg.id != keep_pg.id:
+            pgs[s.pg.id] = s.pg
+    _remove_pgs(list(pgs.values()))

@@ -1,0 +1,152 @@
+"""A planned resize keeps the rank actors it has: on a real local Ray cluster, an elastic group of 2 (something
+else holds the other CPUs) grows to 3 when they are freed, and the 2 old ranks go on in their own processes;
+only the third rank is a new one. Each rank's placement group is its own, and none is left behind.
+
+(The restart after a SIGKILLed rank, which keeps the other rank, and the hung rank, which is never reused,
+are in test_elastic_faults.py.)
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import ray
+import torch
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+
+import zeroray.train as zt
+from tests.ray_helpers import assert_nothing_left, run_config
+from zeroray.train import ScalingConfig, ZeroTrainer
+
+GLOBAL_BATCH, STEPS, GROW_AT = 6, 8, 3  # 6: sizes 1, 2 and 3 all keep the global batch
+
+
+def _growing_loop(config):
+    ctx = zt.get_context()
+    control = Path(config["control"])
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    (control / f"start-w{world}-r{rank}").write_text(str(os.getpid()))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    engine = zt.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x = torch.ones(2, 4)
+    while engine.global_step < STEPS:
+        loss = engine(x).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        zt.report({"loss": loss.item(), "world": world})
+        if world < 3 and engine.global_step >= GROW_AT:
+            if rank == 0 and world == 2:
+                (control / "held").write_text("")
+            while True:  # until a grow stops the loop at a recovery point
+                zt.report({"held": 1})
+                time.sleep(0.05)
+
+
+def _wait_for(path: Path, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert time.monotonic() < deadline, f"no {path.name} after {timeout_s:.0f}s"
+        time.sleep(0.05)
+
+
+def test_a_planned_grow_keeps_the_old_ranks_processes(ray_cluster, tmp_path):
+    import threading
+
+    name = "grow-keeps"
+    control = tmp_path / "control"
+    control.mkdir()
+    blocker = placement_group([{"CPU": 2}], name="someone-else-grow")  # the cluster has 4 CPUs: 2 are free
+    ray.get(blocker.ready(), timeout=60)
+    pg_names: list[str] = []
+
+    def free_the_cpus() -> None:
+        _wait_for(control / "held")
+        pg_names.extend(p["name"] for p in placement_group_table().values() if p["state"] == "CREATED")
+        remove_placement_group(blocker)
+
+    freer = threading.Thread(target=free_the_cpus, daemon=True)
+    freer.start()
+    try:
+        result = ZeroTrainer(
+            _growing_loop, train_loop_config={"control": str(control)},
+            zero_config={"train_batch_size": GLOBAL_BATCH, "train_micro_batch_size_per_gpu": 1},
+            scaling_config=ScalingConfig(num_workers=(1, 3), elastic_resize_monitor_interval_s=1.0,
+                                         placement_timeout_s=60),
+            run_config=run_config(tmp_path, name),
+        ).fit()
+    finally:
+        freer.join(timeout=10)
+        if freer.is_alive() or not pg_names:
+            remove_placement_group(blocker)
+    attempts = result.attempt_history
+    # 2 -> 3, or 1 -> 2 -> 3 when the first placement retry counted the free CPUs before Ray had freed them all.
+    sizes = [a.world_size for a in attempts]
+    assert sizes in ([2, 3], [1, 2, 3]), attempts
+    assert [a.end for a in attempts] == ["resize_up"] * (len(sizes) - 1) + ["finished"], attempts
+    assert all(a.steps_lost == 0 for a in attempts), attempts
+    assert [a.kept_ranks for a in attempts] == [0, *sizes[:-1]], attempts  # every old rank went on
+    # The added rank was started while the smaller group still trained (its placement, process and imports).
+    assert all("prestart" in a.phases for a in attempts[1:]), attempts
+
+    pid = {p.name: int(p.read_text()) for p in control.glob("start-*")}
+    groups = [{pid[f"start-w{w}-r{r}"] for r in range(w)} for w in sizes]
+    for smaller, bigger in zip(groups, groups[1:]):
+        assert smaller < bigger, pid  # the old ranks' processes serve the bigger group; one process is new
+    new = groups[-1]
+
+    # Each rank had a placement group of its own (one bundle), named after the run.
+    ours = [n for n in pg_names if n.startswith(f"zeroray:{name}:slot-")]
+    assert len(ours) == 2 and not any(n == f"zeroray:{name}" for n in pg_names), pg_names
+    assert_nothing_left(name, sorted(new))
+    left = [p["name"] for p in placement_group_table().values()
+            if p["name"].startswith(f"zeroray:{name}") and p["state"] != "REMOVED"]
+    assert left == []
+
+
+def test_release_stops_rank_0s_commit_from_waiting_for_a_dead_peer(tmp_path):
+    """Rank 0's async save in flight waits for every rank's marker; a peer that died never writes one. Release
+    (a survivor kept for the next group) writes the missing ranks' error markers, so the commit fails at once,
+    uncommitted, instead of holding the rank for the commit timeout."""
+    import threading
+
+    import torch
+
+    from zeroray.checkpoint.commit import await_markers
+    from zeroray.checkpoint.manifest import CheckpointError, part_file
+    from zeroray.checkpoint.writer import SaveHandle
+    from zeroray.storage import open_url
+    from zeroray.train.config import CheckpointConfig
+    from zeroray.train.context import RankInfo, Session, TrainContext
+    from zeroray.train.rank_actor import _join_upload
+    from zeroray.train.run_spec import RunSpec
+
+    run = tmp_path / "run"
+    ckpt = run / "checkpoint_10"
+    ckpt.mkdir(parents=True)
+    fs, path = open_url(str(ckpt), None)
+    handle = SaveHandle(str(ckpt))
+
+    def commit() -> None:  # what rank 0's upload thread does last
+        try:
+            await_markers(fs, path, str(ckpt), 2, timeout=600)
+        except CheckpointError as e:
+            handle.error = e
+
+    handle._thread = threading.Thread(target=commit, daemon=True)
+    handle._thread.start()
+    spec = RunSpec(name="run", run_url=str(run), storage_path=str(tmp_path), storage_options=None, train_fn=print,
+                   train_loop_config=None, pass_config=False, zero_config=None, use_gpu=False,
+                   placement_strategy="PACK", placement_timeout_s=None, collective_timeout_s=60,
+                   checkpoint_config=CheckpointConfig(), samples_per_step=None, progress_bar=False)
+    context = TrainContext(RankInfo(0, 2, 0, 2, 0), "run", str(tmp_path), torch.device("cpu"), str(run))
+    session = Session(context, spec, {}, report_comm=None)
+    session.checkpoint_saver, session.last_saved_step = handle, 10
+
+    start = time.monotonic()
+    assert _join_upload(session, timeout_s=30.0)
+    assert time.monotonic() - start < 30.0
+    assert "the group ended" in str(handle.error)
+    assert {p.name for p in ckpt.iterdir()} == {part_file(0), part_file(1)}  # error markers; no manifest
