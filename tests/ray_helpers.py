@@ -37,7 +37,8 @@ def zeroray_actors(run: str) -> list:
 
 
 def zeroray_pgs(run: str) -> list:
-    return [p for p in list_placement_groups(limit=10_000) if p.name == f"zeroray:{run}"]
+    """The run's placement groups: one per group (fixed size) or one per rank slot (elastic, ``zeroray:<run>:slot-<i>``)."""
+    return [p for p in list_placement_groups(limit=10_000) if p.name == f"zeroray:{run}" or p.name.startswith(f"zeroray:{run}:")]
 
 
 def assert_nothing_left(run: str, pids: Sequence[int] = (), timeout_s: float = 15.0) -> None:

@@ -46,6 +46,9 @@ class ReportCallback:
     def after_report(self, metrics: dict[str, Any], stats: RankStats, num_reports: int) -> None:
         """This rank's view of the report: rank 0's metrics on rank 0 (else this rank's), its stats."""
 
+    def close(self) -> None:
+        """The rank leaves its group (its actor may be kept for the next group, as another rank)."""
+
 
 class HistoryCallback(ControllerCallback):
     """Keeps every report of this ``fit()`` for the Result."""

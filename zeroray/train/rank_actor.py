@@ -192,9 +192,7 @@ class RankActor:
         if self.session is not None and not _join_upload(self.session, max(deadline - time.monotonic(), 0.5)):
             return f"its checkpoint upload was still running after {timeout_s:g}s"
         for callback in self.session.report_callbacks if self.session is not None else []:
-            gauges = getattr(callback, "gauges", None)  # RankMetrics: stop re-sending this group's rank's series
-            if gauges is not None:
-                gauges.close()
+            callback.close()  # e.g. RankMetrics: stop re-sending this group's rank's series
         set_session(None)
         rendezvous.destroy_process_group()
         self._clear_loop()

@@ -71,6 +71,11 @@ class RankMetrics(ReportCallback):
     def _set(self, metric: M.Metric, value: float | None, **extra: str) -> None:
         self.gauges.set(metric, value, **extra)
 
+    def close(self) -> None:
+        """Stop re-sending this rank's series (the rank leaves its group; a kept actor reports anew as
+        another rank of the next group)."""
+        self.gauges.close()
+
     def after_report(self, metrics: dict[str, Any], stats: RankStats, num_reports: int) -> None:
         """Push one report's values; never raises into the user's loop."""
         try:
