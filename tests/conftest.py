@@ -38,5 +38,3 @@ def ray_cluster() -> Iterator[dict[str, str]]:
         }
     finally:
         ray.shutdown()
-
-
