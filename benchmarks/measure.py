@@ -6,6 +6,7 @@ code did not produce.
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import resource
 import warnings
@@ -95,3 +96,22 @@ def current_rss_bytes() -> int:
 def peak_rss_bytes() -> int:
     """Peak resident set size of this process (Linux reports KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()
+    ]
+
+
+def malloc_bytes() -> dict[str, int] | None:
+    """glibc's view of this process's heap (``mallinfo2``): bytes in use, free but still held
+    (resident until reused: what peak RSS counts beyond live memory) and mmapped. None elsewhere."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = _MallInfo2
+        m = libc.mallinfo2()
+    except (OSError, AttributeError):  # not glibc, or glibc < 2.33
+        return None
+    return {"in_use": m.uordblks, "free_held": m.fordblks, "mmapped": m.hblkhd}

@@ -13,7 +13,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from measure import CommCounter, current_rss_bytes, live_storages, peak_rss_bytes, storages
+from measure import CommCounter, current_rss_bytes, live_storages, malloc_bytes, peak_rss_bytes, storages
 from systems import System, build
 
 from zeroray.models.gpt import GPT, GPTConfig
@@ -83,6 +83,7 @@ def main() -> None:
         system.forward_backward(x, y)
         live = live_storages()
         reported_mem = system.memory_report()
+        heap = malloc_bytes()
         states = model_state_bytes(system, live) if reported_mem is None else None
         system.optimizer_step()
     reported_comm = system.comm_report()
@@ -92,6 +93,7 @@ def main() -> None:
         "live_tensor_bytes": sum(live.values()),
         "peak_rss": peak_rss_bytes(),
         "rss_base": rss_base,
+        "malloc": heap,  # glibc's in-use / free-but-held bytes at the same moment
         "comm_measured": counter.bytes,
         "comm_reported": reported_comm,
     }

@@ -52,8 +52,17 @@ class GradReducer:
         self._remaining: dict[FlatGroup, int] = {}
         self._inflight = InFlight(max_inflight)
         # Temporaries of sharded gradients, reused across backwards (as DeepSpeed's reduce bucket),
-        # so a step does not pay fresh allocations and page faults for every bucket.
-        self._pool: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+        # so a step does not pay fresh allocations and page faults for every bucket. A group takes
+        # the smallest pooled tensor that is large enough (a prefix of it), so the root unit borrows
+        # a block's temporary instead of keeping one of its own size.
+        self._pool: dict[torch.dtype, list[torch.Tensor]] = {}
+        self._base: dict[GradBuffer, torch.Tensor] = {}  # the pooled tensor under a temporary
+        # A sharded group's first small gradients (slot, gradient), up to a quarter of the group,
+        # wait for the bulk before a temporary is taken: the root unit's layer-norm gradients come
+        # at the start of backward and its embedding's at the end, and a temporary held in between
+        # would sit idle at the peak (the start of backward).
+        self._held: dict[FlatGroup, list[tuple[int, torch.Tensor]]] = {}
+        self._held_numel: dict[FlatGroup, int] = {}
         self._hooks = [
             p.register_post_accumulate_grad_hook(partial(self._on_grad, g, i))
             for g in self.groups
@@ -66,6 +75,8 @@ class GradReducer:
         self.boundary = boundary
         self._remaining = {g: len(g.params) for g in self.groups}
         self._bufs.clear()
+        self._held.clear()
+        self._held_numel.clear()
 
     @property
     def _reduces_now(self) -> bool:
@@ -76,10 +87,34 @@ class GradReducer:
         if buf is None:
             buf = g.open_grads()
             if buf is None:
-                free = self._pool.get((g.padded, g.reduce_dtype))
-                buf = g.new_grad_buffer(free.pop() if free else None)
+                base = self._take(g.padded, g.reduce_dtype)
+                buf = g.new_grad_buffer(None if base is None else base[: g.padded])
+                self._base[buf] = buf.data if base is None else base
             self._bufs[g] = buf
+            for i, grad in self._held.pop(g, ()):
+                buf.write(i, grad)
+            self._held_numel.pop(g, None)
         return buf
+
+    def _take(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """The smallest pooled tensor of ``dtype`` with at least ``numel`` elements, if any."""
+        free = self._pool.get(dtype, [])
+        fits = [i for i, t in enumerate(free) if t.numel() >= numel]
+        if not fits:
+            return None
+        return free.pop(min(fits, key=lambda i: free[i].numel()))
+
+    def _hold(self, g: FlatGroup, i: int, grad: torch.Tensor) -> bool:
+        """Keep a small first gradient of a sharded group until its bulk arrives; False if it
+        must be written now (persistent buffer, temporary already taken, or too much held)."""
+        if g.grads is not None or g in self._bufs:
+            return False
+        held = self._held_numel.get(g, 0) + grad.numel()
+        if held > g.padded // 4:
+            return False
+        self._held_numel[g] = held
+        self._held.setdefault(g, []).append((i, grad))
+        return True
 
     def _on_grad(self, g: FlatGroup, i: int, p: torch.nn.Parameter) -> None:
         if not self.active:
@@ -87,8 +122,9 @@ class GradReducer:
                 "zeroray: call engine.backward(loss), not loss.backward(), so the engine can scale and "
                 "reduce gradients"
             )
-        self._buffer(g).write(i, p.grad)
-        p.grad = None
+        grad, p.grad = p.grad, None
+        if not self._hold(g, i, grad):
+            self._buffer(g).write(i, grad)
         self._remaining[g] -= 1
         if self._remaining[g] == 0 and self._reduces_now and self.overlap:
             self._launch(g)
@@ -100,7 +136,8 @@ class GradReducer:
         handle = g.reduce(buf, async_op=True)
         temporary = buf is not g.grads
         if temporary:
-            handle = handle.then(lambda: self._pool.setdefault((g.padded, g.reduce_dtype), []).append(buf.data))
+            base = self._base.pop(buf)
+            handle = handle.then(lambda: self._pool.setdefault(base.dtype, []).append(base))
         # Only temporaries count against the bound: persistent buffers (stages 0-1) cost nothing.
         self._inflight.add(handle, g.padded if temporary else 0)
         unit = self._unit_of.get(g)
