@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import psutil
 from ray.util import state
@@ -53,3 +54,11 @@ def assert_nothing_left(run: str, pids: Sequence[int] = (), timeout_s: float = 1
         if time.monotonic() > deadline:
             raise AssertionError(f"left behind: actors {actors}, placement groups {pgs}, processes {procs}")
         time.sleep(0.2)
+
+
+def wait_for_file(path: Path, timeout_s: float = 120.0) -> None:
+    """Until a rank's loop writes ``path`` (a marker of where it is), within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert time.monotonic() < deadline, f"no {path.name} after {timeout_s:.0f}s"
+        time.sleep(0.05)

@@ -21,7 +21,7 @@ import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 
 import zeroray.train as zt
-from tests.ray_helpers import assert_nothing_left, run_config
+from tests.ray_helpers import assert_nothing_left, run_config, wait_for_file
 from zeroray.train import FailureConfig, ScalingConfig, TrainingFailedError, ZeroTrainer
 
 STEPS, HOLD_AT, CHECKPOINT_EVERY = 10, 6, 4
@@ -50,13 +50,6 @@ def _held_loop(config):
                 time.sleep(0.05)
 
 
-def _wait_for(path: Path, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not path.exists():
-        assert time.monotonic() < deadline, f"no {path.name} after {timeout_s:.0f}s"
-        time.sleep(0.05)
-
-
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["sigkill", "sigstop"])
 def test_a_killed_or_hung_rank_is_noticed_and_the_group_restarts(ray_cluster, tmp_path, sig):
     import threading
@@ -67,8 +60,8 @@ def test_a_killed_or_hung_rank_is_noticed_and_the_group_restarts(ray_cluster, tm
     hit: dict[str, float] = {}
 
     def hit_rank_1() -> None:
-        _wait_for(control / "pid-1")
-        _wait_for(control / "pid-0")
+        wait_for_file(control / "pid-1")
+        wait_for_file(control / "pid-0")
         (control / "released").write_text("")  # the restarted group does not hold
         hit["time"] = time.time()
         os.kill(int((control / "pid-1").read_text()), sig)

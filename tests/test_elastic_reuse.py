@@ -17,7 +17,7 @@ import torch
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 
 import zeroray.train as zt
-from tests.ray_helpers import assert_nothing_left, run_config
+from tests.ray_helpers import assert_nothing_left, run_config, wait_for_file
 from zeroray.train import ScalingConfig, ZeroTrainer
 
 GLOBAL_BATCH, STEPS, GROW_AT = 6, 8, 3  # 6: sizes 1, 2 and 3 all keep the global batch
@@ -45,13 +45,6 @@ def _growing_loop(config):
                 time.sleep(0.05)
 
 
-def _wait_for(path: Path, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not path.exists():
-        assert time.monotonic() < deadline, f"no {path.name} after {timeout_s:.0f}s"
-        time.sleep(0.05)
-
-
 def test_a_planned_grow_keeps_the_old_ranks_processes(ray_cluster, tmp_path):
     import threading
 
@@ -63,7 +56,7 @@ def test_a_planned_grow_keeps_the_old_ranks_processes(ray_cluster, tmp_path):
     pg_names: list[str] = []
 
     def free_the_cpus() -> None:
-        _wait_for(control / "held")
+        wait_for_file(control / "held")
         pg_names.extend(p["name"] for p in placement_group_table().values() if p["state"] == "CREATED")
         remove_placement_group(blocker)
 
