@@ -250,8 +250,9 @@ def test_prometheus_scrapes_every_dashboard_query(prometheus, ray_cluster, tmp_p
     assert "r" in result and result["r"].error is None
     assert [a["end"] for a in json.loads((tmp_path / "runs" / RUN / "run.json").read_text())["attempt_history"]] == [
         "failure", "finished"]
-    assert not [t for t in threading.enumerate() if t.name == "zeroray-metrics"]  # the driver's refresh ended
-    # The driver's gauges stop being refreshed at the end: the final state was scraped at least once.
+    # The driver's gauges are re-sent for 3 export intervals after the end (so that the final state meets a
+    # scrape on a busy machine), then no more: the final state was scraped, and the refresh thread ends.
     wait_for(lambda: prometheus.query(
         f'max_over_time({M.CONTROLLER_STATE.prometheus}{{run="{RUN}", state="FINISHED"}}[5m]) == 1'),
         "the FINISHED state")
+    wait_for(lambda: not [t for t in threading.enumerate() if t.name == "zeroray-metrics"], "the refresh thread to end")

@@ -12,7 +12,7 @@ import logging
 from zeroray.monitoring import metrics as M
 from zeroray.train import state as S
 from zeroray.train.callbacks import ControllerCallback
-from zeroray.train.gauges import GaugeSet
+from zeroray.train.gauges import GaugeSet, export_interval_s
 
 logger = logging.getLogger(__name__)
 
@@ -50,8 +50,8 @@ class ControllerMetrics(ControllerCallback):
         self._set(M.RESIZES, self.resizes)
         for t in S.StateType:
             self._set(M.CONTROLLER_STATE, 1.0 if t is current.type else 0.0, state=t.value)
-        if current.is_terminal:
-            self.gauges.close()  # the last values stay in Ray's agent for two export intervals
+        if current.is_terminal:  # the final values are re-sent for 3 export intervals, then age out
+            self.gauges.close(linger_s=3 * export_interval_s())
         else:
             self.gauges.start()
 

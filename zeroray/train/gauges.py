@@ -11,6 +11,7 @@ interval (a busy machine may delay a round), off the training thread.
 from __future__ import annotations
 
 import threading
+import time
 
 from zeroray.monitoring.metrics import Metric
 
@@ -27,6 +28,11 @@ def _refresh_interval_s() -> float:
         return _FALLBACK_INTERVAL_S
 
 
+def export_interval_s() -> float:
+    """Ray's metrics export interval (as far as this process knows it)."""
+    return 4 * _refresh_interval_s()
+
+
 class GaugeSet:
     """``metrics`` as Ray gauges with common ``tags``; :meth:`set` records a value, which the refresh
     thread (started by :meth:`start`, stopped by :meth:`close`) keeps re-sending."""
@@ -40,6 +46,7 @@ class GaugeSet:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._until: float | None = None  # set by close(linger_s=): when the refresh thread ends
 
     def set(self, metric: Metric, value: float | None, **extra: str) -> None:
         """Set one series (``tags`` plus ``extra``); None leaves it as it was."""
@@ -69,9 +76,18 @@ class GaugeSet:
                 self.refresh()
             except Exception:  # best effort, as every metric: the next round tries again
                 pass
+            if self._until is not None and time.monotonic() >= self._until:
+                return
 
-    def close(self) -> None:
-        """Stop refreshing (the series age out of Ray's agent within two export intervals)."""
+    def close(self, linger_s: float = 0.0) -> None:
+        """Stop refreshing (the series age out of Ray's agent within two export intervals).
+
+        ``linger_s``: keep re-sending the last values that long first, in the background (a final
+        state set just now must live through a few exports to meet a scrape on a busy machine)."""
+        if linger_s > 0 and self._thread is not None:
+            self._until = time.monotonic() + linger_s  # the (daemon) thread ends by itself then
+            self._thread = None
+            return
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
