@@ -183,3 +183,4 @@ class ParamGuard:
         for p in self._params:
             p.__class__ = self._classes[id(p)]
         self._params.clear()
+        self.owners.clear()  # copies made inside gathered_parameters() keep the class: they know no owner
