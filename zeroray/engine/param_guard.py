@@ -41,10 +41,16 @@ _METADATA_METHODS = frozenset(
 _DESCRIBE = frozenset((torch.Tensor.__repr__, torch.Tensor.__format__))
 
 
-def _is_predicate(func: Any) -> bool:
-    """``p.is_conj()``, ``p._is_zerotensor()``, ...: flags of the tensor, not of its values (what
-    torch.compile and other introspection ask). ``is_nonzero`` reads the value."""
+def _reads_metadata_only(func: Any) -> bool:
+    """Allowed on a freed parameter: the metadata methods, ``p.is_conj()``-style flags of the tensor
+    (what torch.compile and other introspection ask; ``is_nonzero`` reads the value), and property
+    reads and writes other than the values' (``.data``, ``.T``, ...). Asked only of freed parameters,
+    so gathered ones pay nothing for it."""
+    if func in _METADATA_METHODS:
+        return True
     name = getattr(func, "__name__", "")
+    if type(func).__name__ == "method-wrapper":
+        return name != "__get__" or func.__self__.__name__ not in _VALUE_PROPERTIES
     return name.startswith(("is_", "_is_")) and name != "is_nonzero"
 
 
@@ -96,17 +102,13 @@ class _Guarded:
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Sequence = (), kwargs: dict | None = None) -> Any:
-        if func not in _METADATA_METHODS and not _is_predicate(func) and not (
-            type(func).__name__ == "method-wrapper"
-            and (func.__name__ != "__get__" or func.__self__.__name__ not in _VALUE_PROPERTIES)
-        ):
-            for a in (*args, *(kwargs or {}).values()):
-                for t in a if isinstance(a, (list, tuple)) else (a,):
-                    owner = _owner_of(t)
-                    if owner is not None and owner.freed:
-                        if func in _DESCRIBE:
-                            return owner.describe(t)
-                        raise owner.error(func)
+        for a in (*args, *(kwargs or {}).values()):
+            for t in a if isinstance(a, (list, tuple)) else (a,):
+                owner = _owner_of(t)
+                if owner is not None and owner.freed and not _reads_metadata_only(func):
+                    if func in _DESCRIBE:
+                        return owner.describe(t)
+                    raise owner.error(func)
         return super().__torch_function__(func, types, args, kwargs or {})  # type: ignore[misc]
 
 
