@@ -18,7 +18,7 @@ from ray.util.placement_group import placement_group, placement_group_table, rem
 
 import zeroray.train as zt
 from tests.ray_helpers import assert_nothing_left, run_config, wait_for_file
-from zeroray.train import ScalingConfig, ZeroTrainer
+from zeroray.train import FailureConfig, ScalingConfig, ZeroTrainer
 
 GLOBAL_BATCH, STEPS, GROW_AT = 6, 8, 3  # 6: sizes 1, 2 and 3 all keep the global batch
 
@@ -143,3 +143,54 @@ def test_release_stops_rank_0s_commit_from_waiting_for_a_dead_peer(tmp_path):
     assert time.monotonic() - start < 30.0
     assert "the group ended" in str(handle.error)
     assert {p.name for p in ckpt.iterdir()} == {part_file(0), part_file(1)}  # error markers; no manifest
+
+
+def _dying_loop(config):
+    """Four ranks of a ZeRO-2 model with small buckets; in the first group rank 1 dies in the middle of a
+    backward, with every rank's bucket reductions in flight (tests/peer_loss_job.py, on Ray)."""
+    from tests.models import TinyLM, batches, param_groups
+
+    ctx = zt.get_context()
+    control = Path(config["control"])
+    rank = ctx.get_world_rank()
+    with open(control / f"starts-{rank}", "a") as f:
+        f.write(f"{os.getpid()}\n")
+    torch.manual_seed(0)
+    model = TinyLM(d=64, n_layer=6)
+    engine = zt.prepare(model, torch.optim.AdamW(param_groups(model)))
+    if rank == 1 and not (control / "died").exists():
+
+        def die(_: torch.Tensor) -> None:
+            if engine.global_step == 2:
+                (control / "died").write_text("")
+                os._exit(1)
+
+        model.h[3].fc.weight.register_post_accumulate_grad_hook(die)
+    for x, y in batches(rank, 4):
+        engine.backward(engine(x, y))
+        engine.step()
+        zt.report({"step": engine.global_step})
+
+
+def test_a_peer_dying_mid_backward_keeps_every_survivor(ray_cluster, tmp_path):
+    """The survivors of a rank that died with collectives in flight are all kept for the restart. Before
+    the rank actors gave their group up at once (engine.abort, and torch's default-argument modules imported
+    before the group), one survivor stayed blocked on a live peer until the collective timeout, was not
+    released in time and got a new process."""
+    control = tmp_path / "control"
+    control.mkdir()
+    name = "peer-dies"
+    result = ZeroTrainer(
+        _dying_loop, train_loop_config={"control": str(control)},
+        zero_config={"zero_optimization": {"stage": 2, "reduce_bucket_size": 2000}},
+        scaling_config=ScalingConfig(num_workers=4),
+        run_config=run_config(tmp_path, name, failure_config=FailureConfig(max_failures=1, collective_timeout_s=120)),
+    ).fit()
+    first, second = result.attempt_history
+    assert (first.end, first.rank, second.end) == ("failure", 1, "finished"), (first, second)
+    starts = {r: [int(p) for p in (control / f"starts-{r}").read_text().split()] for r in range(4)}
+    assert second.kept_ranks == 3, (second, starts)
+    first_pids, second_pids = {ps[0] for ps in starts.values()}, {ps[1] for ps in starts.values()}
+    survivors = first_pids - {starts[1][0]}
+    assert survivors <= second_pids and starts[1][0] not in second_pids, starts  # ranks may be renumbered
+    assert_nothing_left(name, [p for ps in starts.values() for p in ps])

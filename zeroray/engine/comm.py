@@ -19,10 +19,16 @@ the worker is killed by ``pthread_exit`` while unwinding through a ``noexcept`` 
 (issue #8). So on gloo ``Handle.wait()`` returns only once the workers hold no reference to its
 tensors, C++ or Python, and every tensor is freed on the thread that issued the collective.
 Nothing is left in flight past ``wait()``; ``Comm.close()`` waits for handles nobody waited.
+
+A failed collective gives the group up (:meth:`Comm.abort`): every work object still held is
+dropped, and the group with it. On gloo a work keeps its transport's connections open, so a rank
+that kept its failed bucket reductions kept its sockets, and a peer blocked in a collective with it
+(not with the rank that died) waited out the whole collective timeout (issue #12).
 """
 
 from __future__ import annotations
 
+import importlib
 import pickle
 import sys
 import time
@@ -35,6 +41,32 @@ import torch.distributed as dist
 
 # A gloo worker lets go of a finished work within microseconds; this bounds a stuck one.
 _RELEASE_TIMEOUT_S = 120.0
+
+# torch modules with functions whose default argument is ``group=dist.group.WORLD``: imported while a
+# group exists (``AdamW()`` imports the first two lazily), they hold that group for the life of the process.
+_WORLD_DEFAULT_MODULES = (
+    "torch.distributed.nn.functional",
+    "torch.distributed.fsdp.sharded_grad_scaler",
+    "torch.distributed.optim.zero_redundancy_optimizer",
+)
+
+
+def import_before_group() -> None:
+    """Import the torch modules that bind the default group into default arguments, while no group exists.
+
+    Why: a default argument keeps the group alive after ``destroy_process_group``, and with it gloo's
+    connections, so a peer blocked in a collective with this process waits out the whole collective
+    timeout instead of failing when this process leaves the group. A process that will leave a failed
+    group and live on (a rank actor kept for the next group) calls this before its first
+    ``init_process_group``."""
+    if dist.is_available() and dist.is_initialized():
+        return  # too late for this process: its defaults would bind the live group
+    for name in _WORLD_DEFAULT_MODULES:
+        importlib.import_module(name)
+
+
+class GroupAborted(RuntimeError):
+    """A collective on a group that was given up after an earlier failure (:meth:`Comm.abort`)."""
 
 
 class Handle:
@@ -55,6 +87,7 @@ class Handle:
         self._comm = comm
         self._then = then
         self.done = False
+        self._aborted: str | None = None  # why its group was given up before it was waited
 
     def then(self, fn: Callable[[], None]) -> Handle:
         """Add ``fn`` to run once the collectives are done (after the callbacks added before);
@@ -72,10 +105,20 @@ class Handle:
         return self
 
     def wait(self) -> None:
+        if self._aborted is not None:
+            raise GroupAborted(self._aborted)
         if self.done:
             return
-        while self._works:  # each Python work object goes once waited: the backend's reference is the last
-            self._works.pop(0).wait()
+        while self._works:
+            try:
+                self._works[0].wait()
+            except Exception as e:  # the group is broken: drop its works (no local holds one), then re-raise
+                if self._comm is None:
+                    self._works.clear()
+                else:
+                    self._comm.abort(f"{type(e).__name__}: {e}")
+                raise
+            self._works.pop(0)  # each Python work object goes once waited: the backend's reference is the last
         self.done = True
         if self._comm is not None:
             self._comm._release(self)
@@ -140,11 +183,14 @@ class Comm:
         self.bytes: Counter[str] = Counter()
         self.calls: Counter[str] = Counter()
         self._outstanding: set[Handle] = set()
+        self.aborted: str | None = None  # set by abort(): why the group was given up
 
     # ------------------------------------------------------------------ issuing and releasing
     def _issue(self, call: Callable[..., dist.Work | list[dist.Work]], tensors: Sequence[torch.Tensor], async_op: bool) -> Handle:
         """Run ``call`` on private aliases of ``tensors`` (always asynchronously, so that a
         synchronous collective is released like an async one) and return its handle."""
+        if self.aborted is not None:
+            raise GroupAborted(self.aborted)
         aliases = [t.detach() for t in tensors]
         own = [sys.getrefcount(aliases[i]) for i in range(len(aliases))]  # the list's and the argument's
         handle = Handle(_as_list(call(*aliases)), tensors=aliases, own_refs=own, comm=self)
@@ -152,6 +198,21 @@ class Comm:
         if not async_op:
             handle.wait()
         return handle
+
+    def abort(self, reason: str) -> None:
+        """Give the group up: drop every collective in flight, and the group, without waiting. For a group
+        that failed (a collective raised, a peer died, this rank's loop failed): a work object keeps the
+        transport's connections open, so holding them would leave peers blocked in a collective with this
+        rank until the collective timeout. Later collectives raise :class:`GroupAborted` naming ``reason``."""
+        if self.aborted is not None:
+            return
+        self.aborted = (f"zeroray: this process group was given up after a failure ({reason}); its collectives "
+                        "in flight were dropped, and a new group (and engine) is needed")
+        for handle in self._outstanding:
+            handle._works, handle._tensors, handle._then = [], [], None
+            handle._aborted = self.aborted
+        self._outstanding.clear()
+        self.group = None
 
     def _release(self, handle: Handle) -> None:
         """After ``handle``'s works are done: on gloo, wait until its worker threads hold no

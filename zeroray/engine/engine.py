@@ -130,7 +130,6 @@ class ZeroEngine:
         self.master_dtype = _DTYPES[precision.master_dtype]
         self.gradient_accumulation_steps = config.gradient_accumulation_steps
         self.comm = Comm(process_group, config.comm.reduce_scatter, config.comm.all_gather_by_broadcast)
-        self.process_group = process_group  # None at world size 1 without torch.distributed
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         self.global_step = 0  # optimizer steps taken (skipped fp16 steps included)
         self.micro_step = 0
@@ -546,16 +545,35 @@ class ZeroEngine:
             for u in units:
                 u.release()
 
+    @property
+    def process_group(self) -> dist.ProcessGroup | None:
+        """The group the engine's collectives run on (None at world size 1 without torch.distributed,
+        and after :meth:`abort`)."""
+        return self.comm.group
+
+    def abort(self, reason: str) -> None:
+        """Give up this engine's process group after a failure (a peer died, or this rank's loop raised):
+        drop the collectives in flight and the engine's references to the group, without waiting.
+
+        Why: on gloo a collective's work object keeps its transport's connections open. Held by a rank that
+        has given up, they leave a peer blocked in a collective with that rank until the collective timeout;
+        dropped, the peer's collective fails as soon as this rank leaves the group. The engine does this
+        itself when one of its collectives fails; call it when the loop failed elsewhere. Afterwards any
+        collective raises ``GroupAborted`` naming ``reason``; :meth:`close` still removes the hooks."""
+        self.comm.abort(reason)
+
     def close(self) -> None:
         """Wait for any collective still in flight, then remove every hook zeroray put on the model
         and on the user's optimizer. Stage 3 (collective): the parameters get their full values back
-        and stay gathered, so the model can be used, saved or wrapped again."""
+        and stay gathered, so the model can be used, saved or wrapped again (not after :meth:`abort`:
+        each rank keeps only its shard)."""
         self.comm.close()
         self.reducer.remove()
         if self.scheduler is not None:
             self.scheduler.remove()
-            for g in self.groups:
-                g.keep_gathered()
+            if self.comm.aborted is None:
+                for g in self.groups:
+                    g.keep_gathered()
         if self._guard is not None:
             self._guard.remove()
         self._template_hook.remove()

@@ -144,6 +144,7 @@ class RankActor:
                 waiting_in=session.waiting_in,
                 timed_out=is_collective_timeout(e),
             )
+            _leave_failed_group(session, self.failure.message)
         finally:
             self.done = True
 
@@ -204,6 +205,16 @@ class RankActor:
         set_session(None)
         if self.done:
             rendezvous.destroy_process_group()
+
+
+def _leave_failed_group(session: Session, reason: str) -> None:
+    """Leave the group as soon as the loop failed, not when the driver releases the rank: the group is over,
+    and a peer blocked in a collective with this rank fails only once this rank's connections close. The
+    engine and the report barrier drop their collectives in flight (which keep gloo's connections open)."""
+    if session.engine is not None:
+        session.engine.abort(reason)
+    session.report_comm.abort(reason)
+    rendezvous.destroy_process_group()
 
 
 def _join_upload(session: Session, timeout_s: float) -> bool:

@@ -13,6 +13,7 @@ import socket
 
 import torch.distributed as dist
 
+from zeroray.engine import import_before_group
 from zeroray.train.context import RankInfo
 
 
@@ -49,6 +50,7 @@ def init_process_group(
             "GROUP_RANK": str(info.node_rank),
         }
     )
+    import_before_group()  # so that leaving a failed group closes its connections (a kept actor lives on)
     dist.init_process_group(
         backend=backend,
         init_method=f"tcp://{master_addr}:{master_port}",
