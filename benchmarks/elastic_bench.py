@@ -326,7 +326,7 @@ def _chaos_report(args, result, events, t_start: float, t_end: float) -> None:
         "fault_free_steps_per_s": rate, "recovery_s": _stats(recovery), "scale_up_s": _stats(scale_up),
         "steps_lost": _stats([a.steps_lost for a in failures if a.steps_lost is not None]),
         "phases": phases, "attempts": [a.as_dict() for a in result.attempt_history], "events": events,
-        "series": [(h["t"] - t_start, h["world"], h["_global_step"]) for h in rows],
+        "series": [(h["t"] - t_start, h["world"], h["_global_step"]) for h in rows], "t_start": t_start,
     }
     Path(args.out + ".json").write_text(json.dumps(out, indent=1, default=str))
     rec, up, lost = out["recovery_s"], out["scale_up_s"], out["steps_lost"]
@@ -364,7 +364,38 @@ def _chaos_report(args, result, events, t_start: float, t_end: float) -> None:
                          + " | ".join(f"{row[p]:.2f}" if p in row else "" for p in names)
                          + f" | {sum(row.get(p, 0.0) for p in names if p != 'prestart'):.2f} |")
     Path(args.out + ".md").write_text("\n".join(lines) + "\n")
+    chaos_plot(out, Path(args.out + ".png"))
     print("\n".join(lines))
+
+
+def chaos_plot(result: dict, png: Path, window_s: float = 5.0) -> None:
+    """World size and throughput over the run (``series``: seconds, world, global step of each report), with
+    each node removal and addition marked: where the time of a recovery and of a grow goes, at a glance."""
+    from matplotlib.figure import Figure
+
+    series = np.array(result["series"], dtype=float)
+    t, world, step = series[:, 0], series[:, 1], series[:, 2]
+    # Steps/s over the last window_s seconds at each report: 0 while no group trains.
+    grid = np.arange(0.0, t[-1] + 1.0, 1.0)
+    reached = np.maximum.accumulate(np.interp(grid, t, step, left=0.0))
+    rate = (reached - np.interp(grid - window_s, grid, reached, left=0.0)) / window_s
+    t0 = result["t_start"]
+    fig = Figure(figsize=(9.0, 4.5), dpi=100, layout="constrained")
+    ax = fig.add_subplot()
+    ax.plot(grid, rate, color="tab:blue", label=f"steps/s (last {window_s:g} s)")
+    ax.set(xlabel="seconds since the start", ylabel="optimizer steps/s", ylim=(0, None))
+    ax.grid(alpha=0.3)
+    ax2 = ax.twinx()
+    ax2.step(t, world, where="post", color="tab:orange", label="world size (reports)")
+    ax2.set(ylabel="ranks", ylim=(0, max(world.max(), result["nodes"]) + 0.5))
+    for kind, when, _ in result["events"]:
+        ax.axvline(when - t0, color="tab:red" if kind == "kill" else "tab:green", alpha=0.6, lw=1)
+    handles = ax.get_legend_handles_labels()[0] + ax2.get_legend_handles_labels()[0]
+    ax.legend(handles, [h.get_label() for h in handles], loc="lower left")
+    goodput = result.get("goodput")
+    ax.set_title(f"chaos: a node removed every {result['kill_every_s']:g} s (red), re-added {result['down_for_s']:g} s "
+                 f"later (green)" + (f"; goodput {goodput * 100:.0f}%" if goodput else ""))
+    fig.savefig(png)
 
 
 PHASES = ("prestart", "teardown", "placement", "actors", "rendezvous", "build", "load", "first_step")
@@ -404,11 +435,15 @@ def main() -> None:
     c.add_argument("--interval", type=float, default=1.0)
     c.add_argument("--nodes", type=int, default=4)
     c.add_argument("--out", default=str(HERE / "results" / "elastic_chaos"))
+    p = sub.add_parser("plot", help="the PNG of a chaos result (chaos writes it too)")
+    p.add_argument("json", help="a chaos result, e.g. benchmarks/results/elastic_chaos.json")
     args = ap.parse_args()
     if args.cmd == "detect":
         detect(args)
-    else:
+    elif args.cmd == "chaos":
         chaos(args)
+    else:
+        chaos_plot(json.loads(Path(args.json).read_text()), Path(args.json).with_suffix(".png"))
 
 
 if __name__ == "__main__":
