@@ -1,9 +1,11 @@
 """One rank of a world-4 gloo job in which rank 1 dies in the middle of a backward, with bucket
-reductions of every rank in flight; the survivors do what a rank actor does on a failed loop
-(``engine.abort``, leave the group) and record how long after the death their own step failed.
+reductions of every rank in flight; the survivors do what a rank actor does on a failed loop (leave
+the group; the engine gave it up itself when its collective failed) and record how long after the
+death their own step failed.
 
 ``python tests/peer_loss_job.py RANK WORLD STORE_FILE OUT_DIR STAGE TIMEOUT_S``. Writes
-``OUT_DIR/rank<R>.json``: ``{"failed_after_s": ..., "error": ...}``. Used by tests/test_engine_peer_loss.py.
+``OUT_DIR/rank<R>.json``: ``{"failed_after_s": ..., "error": ...}``. Used by tests/test_engine_peer_loss.py;
+tests/test_elastic_reuse.py kills a rank actor the same way (``die_mid_backward``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,19 @@ from zeroray.engine import import_before_group
 DYING = 1
 
 
+def die_mid_backward(model: TinyLM, engine: zeroray.ZeroEngine, marker: str) -> None:
+    """End this process in the backward of step 2, in a deep block's gradient hook: the bucket reductions of
+    the blocks after it are in flight on every rank. First writes the time of death into ``marker``."""
+
+    def die(_: torch.Tensor) -> None:
+        if engine.global_step == 2:
+            with open(marker, "w") as f:
+                f.write(repr(time.time()))
+            os._exit(1)
+
+    model.h[3].fc.weight.register_post_accumulate_grad_hook(die)
+
+
 def main(rank: int, world: int, store: str, out: str, stage: int, timeout_s: float) -> None:
     torch.set_num_threads(1)
     import_before_group()  # as a rank actor does
@@ -35,13 +50,7 @@ def main(rank: int, world: int, store: str, out: str, stage: int, timeout_s: flo
     config = zeroray.ZeroConfig(stage=stage, comm={"reduce_bucket_size": 2000, "allgather_bucket_size": 2000})
     engine = zeroray.initialize(model, torch.optim.AdamW(param_groups(model)), config)
     if rank == DYING:
-        def die(_: torch.Tensor) -> None:
-            if engine.global_step == 2:
-                with open(os.path.join(out, "died"), "w") as f:
-                    f.write(repr(time.time()))
-                os._exit(1)
-
-        model.h[3].fc.weight.register_post_accumulate_grad_hook(die)
+        die_mid_backward(model, engine, os.path.join(out, "died"))
     try:
         for x, y in batches(rank, 50):
             engine.backward(engine(x, y))

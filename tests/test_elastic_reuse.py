@@ -149,6 +149,7 @@ def _dying_loop(config):
     """Four ranks of a ZeRO-2 model with small buckets; in the first group rank 1 dies in the middle of a
     backward, with every rank's bucket reductions in flight (tests/peer_loss_job.py, on Ray)."""
     from tests.models import TinyLM, batches, param_groups
+    from tests.peer_loss_job import die_mid_backward
 
     ctx = zt.get_context()
     control = Path(config["control"])
@@ -159,13 +160,7 @@ def _dying_loop(config):
     model = TinyLM(d=64, n_layer=6)
     engine = zt.prepare(model, torch.optim.AdamW(param_groups(model)))
     if rank == 1 and not (control / "died").exists():
-
-        def die(_: torch.Tensor) -> None:
-            if engine.global_step == 2:
-                (control / "died").write_text("")
-                os._exit(1)
-
-        model.h[3].fc.weight.register_post_accumulate_grad_hook(die)
+        die_mid_backward(model, engine, str(control / "died"))
     for x, y in batches(rank, 4):
         engine.backward(engine(x, y))
         engine.step()

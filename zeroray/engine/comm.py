@@ -87,7 +87,6 @@ class Handle:
         self._comm = comm
         self._then = then
         self.done = False
-        self._aborted: str | None = None  # why its group was given up before it was waited
 
     def then(self, fn: Callable[[], None]) -> Handle:
         """Add ``fn`` to run once the collectives are done (after the callbacks added before);
@@ -105,18 +104,15 @@ class Handle:
         return self
 
     def wait(self) -> None:
-        if self._aborted is not None:
-            raise GroupAborted(self._aborted)
         if self.done:
             return
-        while self._works:
+        if self._comm is not None and self._comm.aborted is not None:  # given up while this was in flight
+            raise GroupAborted(self._comm.aborted)
+        while self._works:  # only Comm._issue gives a handle works, so it has a comm
             try:
                 self._works[0].wait()
             except Exception as e:  # the group is broken: drop its works (no local holds one), then re-raise
-                if self._comm is None:
-                    self._works.clear()
-                else:
-                    self._comm.abort(f"{type(e).__name__}: {e}")
+                self._comm.abort(f"{type(e).__name__}: {e}")
                 raise
             self._works.pop(0)  # each Python work object goes once waited: the backend's reference is the last
         self.done = True
@@ -210,7 +206,6 @@ class Comm:
                         "in flight were dropped, and a new group (and engine) is needed")
         for handle in self._outstanding:
             handle._works, handle._tensors, handle._then = [], [], None
-            handle._aborted = self.aborted
         self._outstanding.clear()
         self.group = None
 
