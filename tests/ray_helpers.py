@@ -48,12 +48,20 @@ def assert_nothing_left(run: str, pids: Sequence[int] = (), timeout_s: float = 1
     while True:
         actors = [(a.name, a.state) for a in zeroray_actors(run) if a.state != "DEAD"]
         pgs = [(p.name, p.state) for p in zeroray_pgs(run) if p.state != "REMOVED"]
-        procs = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        procs = [p for p in pids if _running(p)]
         if not actors and not pgs and not procs:
             return
         if time.monotonic() > deadline:
             raise AssertionError(f"left behind: actors {actors}, placement groups {pgs}, processes {procs}")
         time.sleep(0.2)
+
+
+def _running(pid: int) -> bool:
+    """The process exists and is not a zombie; it may exit between any two psutil calls."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def wait_for_file(path: Path, timeout_s: float = 120.0) -> None:
