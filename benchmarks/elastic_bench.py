@@ -2,6 +2,7 @@
 
     python benchmarks/elastic_bench.py detect [--workers 2] [--kills 20] [--hangs 3] [--heartbeat-timeout 30]
     python benchmarks/elastic_bench.py chaos [--minutes 10] [--kill-every 60] [--down-for 30] [--interval 1]
+                                             [--snapshot-interval 1]
 
 **detect**: how soon the driver notices a SIGKILLed rank, and a SIGSTOPped (hung) one.
 
@@ -27,13 +28,15 @@ a new one added ``--down-for`` s later. Reported:
 - goodput: the run's final step ÷ the steps a fault-free run would have made over the same time at the
   sizes available (each size's fault-free rate: the median step time of that size's steady reports);
 - recovery: from a node's removal to the first report of the next group, p50 / p95;
-- steps lost per failure (recovery reads the newest committed checkpoint: storage only);
+- steps lost per failure, and where each recovery came from: the survivors' in-memory snapshots
+  (``--snapshot-interval``, ``FailureConfig.snapshot_interval``; default 1) or, with 0 (the storage-only,
+  Ray-Train-like baseline) or when a shard's two copies are gone, the newest committed checkpoint;
 - scale-up latency: from a node's addition to the first report at the larger size;
 - where a restart's and a grow's time goes: the median of each start-up phase (``Attempt.phases``:
   teardown, placement, actors, rendezvous, build, load, first step) and how many ranks each attempt kept
   from the one before (``Attempt.kept_ranks``: no new process, imports or placement for them).
 
-Results: benchmarks/results/elastic_chaos.{json,md}.
+Results: benchmarks/results/elastic_chaos.{json,md,png} (``--out`` to name them otherwise).
 """
 
 from __future__ import annotations
@@ -256,7 +259,8 @@ def chaos(args: argparse.Namespace) -> None:
                                              elastic_resize_monitor_interval_s=args.interval),
                 run_config=RunConfig(name="chaos", storage_path=str(Path(tmp) / "runs"), progress_bar=False,
                                      checkpoint_config=CheckpointConfig(async_save=True, num_to_keep=2),
-                                     failure_config=FailureConfig(max_failures=-1)),
+                                     failure_config=FailureConfig(max_failures=-1,
+                                                                  snapshot_interval=args.snapshot_interval)),
             )
 
             def fit() -> None:
@@ -317,11 +321,16 @@ def _chaos_report(args, result, events, t_start: float, t_end: float) -> None:
             if nxt:
                 scale_up.append(nxt["t"] - t)
     failures = [a for a in result.attempt_history if a.end == "failure"]
+    recovered = [nxt.recovered_from for a, nxt in zip(result.attempt_history, result.attempt_history[1:])
+                 if a.end == "failure"]
+    snapshot_bytes = max((r["memory"].get("snapshots", 0) for h in rows for r in h["_ranks"]), default=0)
     phases = _phase_table(result.attempt_history)
     out = {
         "machine": f"{platform.node()} ({os.cpu_count()} cores)",
         "minutes": args.minutes, "kill_every_s": args.kill_every, "down_for_s": args.down_for,
-        "resize_check_interval_s": args.interval, "nodes": args.nodes,
+        "resize_check_interval_s": args.interval, "nodes": args.nodes, "snapshot_interval": args.snapshot_interval,
+        "recovered_from": {k: recovered.count(k) for k in sorted(set(recovered), key=str)},
+        "snapshot_host_bytes_max": snapshot_bytes,
         "useful_steps": useful, "fault_free_steps": ideal, "goodput": useful / ideal if ideal else None,
         "fault_free_steps_per_s": rate, "recovery_s": _stats(recovery), "scale_up_s": _stats(scale_up),
         "steps_lost": _stats([a.steps_lost for a in failures if a.steps_lost is not None]),
@@ -335,8 +344,13 @@ def _chaos_report(args, result, events, t_start: float, t_end: float) -> None:
         f"{out['machine']}; {args.nodes} simulated one-CPU nodes (ray.cluster_utils.Cluster, health check 500 ms x 3), "
         f"num_workers=(1, {args.nodes}), ZeRO-2, global batch {GLOBAL_BATCH}, async checkpoint every 10 steps; "
         f"{args.minutes:g} min, a node holding a rank removed every {args.kill_every:g} s and a new one added "
-        f"{args.down_for:g} s later; resize check every {args.interval:g} s. Recovery reads the newest committed "
-        f"checkpoint (no in-memory snapshots yet).", "",
+        f"{args.down_for:g} s later; resize check every {args.interval:g} s. "
+        + (f"In-memory snapshots every {args.snapshot_interval} step(s) (`FailureConfig.snapshot_interval`), copied "
+           f"to a buddy rank on another node; recoveries: {out['recovered_from']} (memory: from the survivors' "
+           f"snapshots, storage: the newest committed checkpoint); snapshots held in host memory, most on one rank: "
+           f"{snapshot_bytes / 1e6:.1f} MB." if args.snapshot_interval else
+           "No in-memory snapshots (storage-only, the Ray-Train-like baseline): recovery reads the newest committed "
+           "checkpoint."), "",
         "| metric | value | goal |", "|---|---|---|",
         f"| goodput (useful steps ÷ fault-free steps at the sizes available) | "
         f"{out['goodput'] * 100:.0f}% ({useful} of {ideal:.0f}) | ≥ 90% |" if out["goodput"] else "| goodput | n/a | |",
@@ -346,7 +360,7 @@ def _chaos_report(args, result, events, t_start: float, t_end: float) -> None:
                      f"p95 {rec['p95']:.1f} s | p95 ≤ 10 s |")
     if lost["n"]:
         lines.append(f"| steps lost per failure ({lost['n']}) | p50 {lost['p50']:.0f}, max {lost['max']:.0f} | ≤ 1 with "
-                     f"in-memory snapshots (not built) |")
+                     f"in-memory snapshots |")
     if up["n"]:
         lines.append(f"| scale-up, node added → first report at the larger size ({up['n']}) | p50 {up['p50']:.1f} s, "
                      f"p95 {up['p95']:.1f} s | ≤ 5 s |")
@@ -434,6 +448,7 @@ def main() -> None:
     c.add_argument("--down-for", type=float, default=30.0)
     c.add_argument("--interval", type=float, default=1.0)
     c.add_argument("--nodes", type=int, default=4)
+    c.add_argument("--snapshot-interval", type=int, default=1, help="FailureConfig.snapshot_interval (0: storage only)")
     c.add_argument("--out", default=str(HERE / "results" / "elastic_chaos"))
     p = sub.add_parser("plot", help="the PNG of a chaos result (chaos writes it too)")
     p.add_argument("json", help="a chaos result, e.g. benchmarks/results/elastic_chaos.json")

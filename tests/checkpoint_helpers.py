@@ -15,8 +15,10 @@ from zeroray.engine import ZeroEngine, layout
 STEPS = 3  # optimizer steps before the first save
 
 
-def make_engine(stage: int, seed: int = 0, device: str | torch.device = "cpu", **model_kw: Any) -> ZeroEngine:
-    """TinyLM on ``device`` with AdamW over two param groups, clipping and a StepLR schedule."""
+def make_engine(stage: int, seed: int = 0, device: str | torch.device = "cpu", process_group: Any = None,
+                **model_kw: Any) -> ZeroEngine:
+    """TinyLM on ``device`` with AdamW over two param groups, clipping and a StepLR schedule, on
+    ``process_group`` (default: WORLD)."""
     torch.manual_seed(seed)
     model = TinyLM(**model_kw).to(device)
     cfg = zeroray.ZeroConfig(stage=stage, comm={"reduce_bucket_size": 500}, gradient_clipping=0.5)
@@ -24,6 +26,7 @@ def make_engine(stage: int, seed: int = 0, device: str | torch.device = "cpu", *
         model,
         torch.optim.AdamW(param_groups(model), lr=1e-2),
         cfg,
+        process_group=process_group,
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.9),
     )
 

@@ -4,6 +4,10 @@ without warning (at most the steps since the last checkpoint lost; the survivors
 reshards its ZeRO-3 checkpoint across world sizes 2 -> 3 -> 2, and ends with the same parameters and
 per-step losses as a fixed-size run on the same global batch and samples.
 
+With in-memory snapshots (``FailureConfig.snapshot_interval=1``) the same run loses no step to the lost node:
+the survivors rebuild the group of 3's state at step 10 from their memory, resharded to 2. Storage plays no
+part in it: every checkpoint file is overwritten with zeros before the node goes, so a read of one would fail.
+
 The cluster lives in a process of its own (``python -m tests.test_elastic_cluster host <dir>``), which
 adds and removes the nodes and tears the cluster down; the driver runs in another
 (``... drive <address> <dir>``) connected to it. The pytest process never talks to that cluster's GCS:
@@ -22,6 +26,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 GLOBAL_BATCH, MICRO, STEPS, CHECKPOINT_EVERY = 24, 2, 16, 4
@@ -83,7 +88,7 @@ def _elastic_loop(config):
         torch.save(state, control / "final.pt")
 
 
-def _drive(address: str, out: Path) -> None:
+def _drive(address: str, out: Path, recovery: str) -> None:
     """The subprocess driver: the elastic fit, then what it recorded and whether anything was left behind."""
     import ray
     from ray.util.placement_group import placement_group_table
@@ -99,7 +104,8 @@ def _drive(address: str, out: Path) -> None:
                      "zero_optimization": {"stage": 3}},
         scaling_config=ScalingConfig(num_workers=(1, 4), elastic_resize_monitor_interval_s=1.0),
         run_config=RunConfig(name="elastic", storage_path=str(out / "runs"), progress_bar=False,
-                             failure_config=FailureConfig(max_failures=2, collective_timeout_s=30)),
+                             failure_config=FailureConfig(max_failures=2, collective_timeout_s=30,
+                                                          snapshot_interval=1 if recovery == "memory" else 0)),
     ).fit()
     deadline = time.monotonic() + 30
     while True:
@@ -126,7 +132,18 @@ HEALTH_CHECK_CONFIG = {
 }
 
 
-def _host(out: Path) -> None:
+def _spoil_checkpoints(runs: Path) -> list[str]:
+    """Overwrite every file of every checkpoint but its manifest with zeros (same sizes, so a listing still
+    finds them valid; reading any byte range fails its checksum). Returns the spoiled files."""
+    spoiled = []
+    for f in sorted(runs.glob("elastic/checkpoint_*/*")):
+        if f.name != "manifest.json":
+            f.write_bytes(bytes(f.stat().st_size))
+            spoiled.append(str(f))
+    return spoiled
+
+
+def _host(out: Path, recovery: str) -> None:
     """The cluster's own process: a head without CPUs and two one-CPU nodes; the driver in a subprocess; a third
     node added when the group of 2 holds, removed without warning when the group of 3 holds; then teardown.
     Writes out/host.json (the removed node and when) and the driver's output to out/driver.log."""
@@ -142,14 +159,16 @@ def _host(out: Path) -> None:
             cluster.add_node(num_cpus=1)
         with open(out / "driver.log", "w") as log:
             proc = subprocess.Popen([sys.executable, "-m", "tests.test_elastic_cluster", "drive", cluster.address,
-                                     str(out)], cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
+                                     str(out), recovery], cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
             try:
                 _wait_for(control / "held-2-5", proc)  # 2 nodes: a group of 2 (max 4), held at step 5
                 third = cluster.add_node(num_cpus=1)  # -> grows to 3 at the next check, from a recovery point at 5
                 _wait_for(control / "held-3-10", proc)
+                spoiled = _spoil_checkpoints(out / "runs") if recovery == "memory" else []
                 removed_at = time.time()
                 cluster.remove_node(third, allow_graceful=False)  # a node lost without warning, its rank with it
-                (out / "host.json").write_text(json.dumps({"removed": third.node_id, "removed_at": removed_at}))
+                (out / "host.json").write_text(json.dumps({"removed": third.node_id, "removed_at": removed_at,
+                                                           "spoiled": spoiled}))
                 proc.wait(timeout=300)
             finally:
                 if proc.poll() is None:
@@ -187,11 +206,12 @@ def _reference() -> tuple[dict[str, torch.Tensor], list[float]]:
     return {k: v.detach().clone() for k, v in model.named_parameters()}, losses
 
 
-def test_elastic_run_grows_and_shrinks_with_nodes_and_matches_a_fixed_run(tmp_path):
+@pytest.mark.parametrize("recovery", ["storage", "memory"])
+def test_elastic_run_grows_and_shrinks_with_nodes_and_matches_a_fixed_run(tmp_path, recovery):
     (tmp_path / "control").mkdir()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
-    host = subprocess.run([sys.executable, "-m", "tests.test_elastic_cluster", "host", str(tmp_path)], cwd=REPO_ROOT,
-                          env=env, capture_output=True, text=True, timeout=900)
+    host = subprocess.run([sys.executable, "-m", "tests.test_elastic_cluster", "host", str(tmp_path), recovery],
+                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900)
     log = tmp_path / "driver.log"
     driver_log = log.read_text()[-6000:] if log.exists() else ""
     assert host.returncode == 0 and (tmp_path / "result.json").exists(), (
@@ -199,12 +219,21 @@ def test_elastic_run_grows_and_shrinks_with_nodes_and_matches_a_fixed_run(tmp_pa
     removed = json.loads((tmp_path / "host.json").read_text())
     out = json.loads((tmp_path / "result.json").read_text())
     attempts = out["attempts"]
-    summary = [(a["world_size"], a["start_step"], a["last_step"], a["end"], a["steps_lost"]) for a in attempts]
-    assert summary == [
-        (2, 0, 5, "resize_up", 0),  # planned: a recovery point at step 5, nothing lost
-        (3, 5, 10, "failure", 2),  # the node died at step 10; the newest checkpoint was step 8
-        (2, 8, STEPS, "finished", 0),  # shrunk to what was left instead of waiting for the node
-    ], attempts
+    summary = [(a["world_size"], a["start_step"], a["last_step"], a["end"], a["steps_lost"], a["recovered_from"])
+               for a in attempts]
+    if recovery == "storage":
+        assert summary == [
+            (2, 0, 5, "resize_up", 0, None),  # planned: a recovery point at step 5, nothing lost
+            (3, 5, 10, "failure", 2, "storage"),  # the node died at step 10; the newest checkpoint was step 8
+            (2, 8, STEPS, "finished", 0, "storage"),  # shrunk to what was left instead of waiting for the node
+        ], attempts
+    else:
+        assert summary == [
+            (2, 0, 5, "resize_up", 0, None),
+            (3, 5, 10, "failure", 0, "memory"),  # the kept ranks hold step 5 (as new as the recovery point)
+            (2, 10, STEPS, "finished", 0, "memory"),  # step 10, from the two survivors' memory: nothing lost
+        ], attempts
+        assert len(removed["spoiled"]) >= 4, removed  # checkpoints 4, 5 and 8: their rank files
     assert attempts[1]["node"] == removed["removed"], attempts[1]  # the dead node's rank, not a survivor's error
     # Only new capacity gets new processes: the grow keeps both old ranks, the shrink both survivors.
     assert [a["kept_ranks"] for a in attempts] == [0, 2, 2], attempts
@@ -230,6 +259,6 @@ def test_elastic_run_grows_and_shrinks_with_nodes_and_matches_a_fixed_run(tmp_pa
 
 if __name__ == "__main__":
     if sys.argv[1] == "host":
-        _host(Path(sys.argv[2]))
+        _host(Path(sys.argv[2]), sys.argv[3])
     else:
-        _drive(sys.argv[2], Path(sys.argv[3]))
+        _drive(sys.argv[2], Path(sys.argv[3]), sys.argv[4])

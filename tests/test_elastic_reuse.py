@@ -132,7 +132,7 @@ def test_release_stops_rank_0s_commit_from_waiting_for_a_dead_peer(tmp_path):
     handle._thread.start()
     spec = RunSpec(name="run", run_url=str(run), storage_path=str(tmp_path), storage_options=None, train_fn=print,
                    train_loop_config=None, pass_config=False, zero_config=None, use_gpu=False,
-                   placement_strategy="PACK", placement_timeout_s=None, collective_timeout_s=60,
+                   placement_strategy="PACK", placement_timeout_s=None, collective_timeout_s=60, snapshot_interval=0,
                    checkpoint_config=CheckpointConfig(), samples_per_step=None, progress_bar=False)
     context = TrainContext(RankInfo(0, 2, 0, 2, 0), "run", str(tmp_path), torch.device("cpu"), str(run))
     session = Session(context, spec, {}, report_comm=None)

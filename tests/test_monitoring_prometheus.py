@@ -63,7 +63,7 @@ def _loop(config: dict[str, Any]) -> None:
                   checkpoint=engine.global_step == 2)
         failed_once = out / "failed-once"
         if engine.global_step == 3 and ctx.get_world_rank() == 0 and not failed_once.exists():
-            failed_once.write_text("")  # one restart: the second group resumes from checkpoint_2
+            failed_once.write_text("")  # one restart: the second group resumes (from the step-3 snapshots)
             raise RuntimeError("planned failure, for the resume metrics")
         if stop.item():
             break
@@ -200,7 +200,8 @@ def test_prometheus_scrapes_every_dashboard_query(prometheus, ray_cluster, tmp_p
         zero_config={"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": str(nvme)}},
                      "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0},
         scaling_config=ScalingConfig(num_workers=2),
-        run_config=run_config(tmp_path, RUN, failure_config=FailureConfig(max_failures=1)),
+        # In-memory snapshots every step, so the snapshot panel has data (the restart then resumes from them).
+        run_config=run_config(tmp_path, RUN, failure_config=FailureConfig(max_failures=1, snapshot_interval=1)),
     )
     result: dict[str, Any] = {}
     fit = threading.Thread(target=lambda: result.update(r=trainer.fit()), daemon=True)

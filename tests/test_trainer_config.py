@@ -53,6 +53,10 @@ def test_failure_and_checkpoint_configs():
     for bad in (0, -1.0, "60", True):
         with pytest.raises(ValueError, match="collective_timeout_s"):
             FailureConfig(collective_timeout_s=bad)
+    assert FailureConfig().snapshot_interval == 0 and FailureConfig(snapshot_interval=5).snapshot_interval == 5
+    for bad in (-1, 1.5, "1", None):
+        with pytest.raises(ValueError, match=r"FailureConfig.snapshot_interval must be an integer >= 0 \(0 = no"):
+            FailureConfig(snapshot_interval=bad)
 
 
 def test_run_config_checks(tmp_path):

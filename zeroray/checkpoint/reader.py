@@ -327,15 +327,30 @@ def load(engine: ZeroEngine, url: str, *, storage_options: dict[str, Any] | None
 
     ckpt.read(requests)
 
+    saved = {s.name: buf.view(DTYPES[s.dtype]).reshape(s.shape) for s, buf in saved_buffers}
+    install(engine, tensors, ckpt.manifest.meta, saved, rng if same_world else None)
+    return ckpt.manifest
+
+
+def install(
+    engine: ZeroEngine,
+    tensors: dict[str, dict[str, torch.Tensor]],
+    meta: dict[str, Any],
+    buffers: dict[str, torch.Tensor],
+    rng: dict[str, torch.Tensor] | None,
+) -> None:
+    """Put state read from a checkpoint or gathered from in-memory snapshots into ``engine`` (collective):
+    shards and ``meta`` (:meth:`ZeroEngine.load_shard_state`), the module's buffers, and this rank's RNG
+    state. ``rng`` None (state saved at another world size, where no rank's stream continues this one's):
+    the rank is reseeded with ``(global_step << 16) + rank`` instead."""
+    live = dict(engine.module.named_buffers())
     with torch.no_grad():
-        for s, buf in saved_buffers:
-            buffers[s.name].copy_(buf.view(DTYPES[s.dtype]).reshape(s.shape))
-    meta = ckpt.manifest.meta
+        for name, value in buffers.items():
+            live[name].copy_(value)
     engine.load_shard_state(tensors, meta)
-    if same_world:
+    if rng is not None:
         torch.set_rng_state(rng["cpu"])
         if "cuda" in rng and engine.device.type == "cuda":
             torch.cuda.set_rng_state(rng["cuda"], engine.device)
     else:
         torch.manual_seed((int(meta["global_step"]) << 16) + engine.rank)
-    return ckpt.manifest

@@ -295,6 +295,21 @@ class Comm:
         self._count("broadcast", t.numel() * t.element_size())
         self._issue(lambda a: dist.broadcast(a, group=self.group, group_src=src, async_op=True), [t], async_op=False)
 
+    def exchange(self, sends: dict[int, list[torch.Tensor]], recvs: dict[int, list[torch.Tensor]]) -> None:
+        """Point-to-point, synchronous: send the tensors ``sends[r]`` to group rank ``r`` and receive ``recvs[r]``
+        from ``r`` (in order), all at once (every rank posts its side; a rank with nothing to move passes
+        empty dicts). Bulk transfers between chosen pairs, e.g. state copies to a buddy rank."""
+        if not sends and not recvs:
+            return
+        self._count("p2p", sum(t.numel() * t.element_size() for ts in sends.values() for t in ts))
+        ops = [(dist.isend, "group_dst", peer, t) for peer, ts in sends.items() for t in ts]
+        ops += [(dist.irecv, "group_src", peer, t) for peer, ts in recvs.items() for t in ts]
+
+        def post(*tensors: torch.Tensor) -> list[dist.Work]:
+            return [op(t, group=self.group, **{key: peer}) for (op, key, peer, _), t in zip(ops, tensors, strict=True)]
+
+        self._issue(post, [t for *_, t in ops], async_op=False)
+
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's picklable ``obj``, in rank order (small control messages: agreement on errors,
         report barriers). Unlike ``dist.all_gather_object`` its tensors are released like every other

@@ -118,10 +118,12 @@ ROWS: tuple[Row, ...] = (
                  "rank {{rank}}"), unit="percentunit"),
     )),
     Row("Checkpoints", (
-        Panel("Checkpoint save", "Seconds of the last synchronous save, and how long the last checkpointing "
-              "report blocked the loop (an async save blocks only for its copy to host memory).",
+        Panel("Checkpoint save", "Seconds of the last synchronous save, how long the last checkpointing "
+              "report blocked the loop (an async save blocks only for its copy to host memory), and how long "
+              "the last in-memory snapshot did (FailureConfig.snapshot_interval).",
               (Query(f"max by (run) ({sel(M.CHECKPOINT_SAVE_SECONDS)})", "save"),
-               Query(f"max by (run) ({sel(M.CHECKPOINT_STALL_SECONDS)})", "step stall")), unit="s"),
+               Query(f"max by (run) ({sel(M.CHECKPOINT_STALL_SECONDS)})", "step stall"),
+               Query(f"max by (run) ({sel(M.SNAPSHOT_STALL_SECONDS)})", "snapshot stall")), unit="s"),
         Panel("Checkpoint size and count", "Bytes of the last checkpoint (every rank's shard summed) and the "
               "saves of the current attempt.",
               (Query(f"sum by (run) ({sel(M.CHECKPOINT_BYTES)})", "bytes"),

@@ -57,7 +57,7 @@ MFU = Metric("zeroray_mfu", "Model FLOPs utilization: model FLOPs per second / t
 MEMORY = Metric(
     "zeroray_memory_bytes",
     "Rank memory by category: memory_report()'s (params, grads, optimizer, ...), process_rss, "
-    "process_peak_rss, and on CUDA cuda_allocated, cuda_max_allocated",
+    "process_peak_rss, snapshots (in-memory snapshots held), and on CUDA cuda_allocated, cuda_max_allocated",
     extra=("category",),
 )
 
@@ -78,6 +78,10 @@ CHECKPOINT_BYTES = Metric("zeroray_checkpoint_bytes", "Bytes of this rank's shar
 CHECKPOINT_SAVES = Metric("zeroray_checkpoint_saves", "Checkpoints this rank saved in this attempt")
 CHECKPOINT_LOAD_SECONDS = Metric("zeroray_checkpoint_load_seconds", "Seconds the resume load in zt.prepare took")
 CHECKPOINT_LOAD_BYTES = Metric("zeroray_checkpoint_load_bytes", "Bytes this rank read at the resume load")
+SNAPSHOT_STALL_SECONDS = Metric(
+    "zeroray_snapshot_stall_seconds",
+    "Seconds the last in-memory snapshot (host copy, and the copy sent to the buddy rank) blocked the loop",
+)
 
 # ---- offload (reported by the offload engine once it exists)
 OFFLOAD_BYTES = Metric(

@@ -14,12 +14,16 @@ from the first async save to the end of the loop.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import zeroray.checkpoint as zc
+from zeroray.checkpoint import snapshot
 from zeroray.train.context import Session
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -43,25 +47,53 @@ def latest_checkpoint(run_url: str, storage_options: dict[str, Any] | None = Non
 
 
 def resume(session: Session) -> bool:
-    """Collective, in ``zt.prepare``: load the newest committed checkpoint into the session's engine;
-    False when the run has none (it starts fresh).
+    """Collective, in ``zt.prepare``: load the run's newest state into the session's engine; False when the
+    run has none (it starts fresh).
 
-    Rank 0 picks it and tells the others (on the report group), so every rank loads the same one even
-    if storage changes in between.
+    The newest is the group's newest complete in-memory snapshot (``FailureConfig.snapshot_interval``; no
+    storage read) unless a committed checkpoint on storage is newer. For storage, rank 0 picks the
+    checkpoint and tells the others (on the report group), so every rank loads the same one even if storage
+    changes in between.
     """
-    run_url, options = session.context.trial_dir, session.storage_options
-    newest = zc.latest_committed(run_url, options) if session.context.get_world_rank() == 0 else None
-    url = session.report_comm.broadcast_object(newest, src=0)
-    if url is not None:
-        wait(session)  # an async save of an earlier engine of this loop must not race the read
-        start = time.perf_counter()
-        zc.load(session.engine, url, storage_options=options)
-        nbytes = sum(t.numel() * t.element_size() for gs in session.engine.shard_state() for t in gs.tensors.values())
-        session.checkpoint_load = (time.perf_counter() - start, nbytes)
-        if session.elastic:
-            _realign_accumulation(session.engine)
-        session.last_saved_step = session.engine.global_step
-    return url is not None
+    comm, engine = session.report_comm, session.engine
+    choice = snapshot.choose(comm, session.snapshots) if session.snapshots is not None else None
+    url = None
+    if choice is None or (choice.newest_saved is not None and choice.newest_saved > choice.step):
+        # a checkpoint on storage may be newer than any snapshot: rank 0 looks
+        newest = _newest_on_storage(session, fallback=choice is not None) if comm.rank == 0 else None
+        newest = comm.broadcast_object(newest, src=0)
+        if newest is not None and (choice is None or newest.step > choice.step):
+            choice, url = None, newest.url
+    if choice is None and url is None:
+        return False
+    wait(session)  # an async save of an earlier engine of this loop must not race the read
+    start = time.perf_counter()
+    if choice is not None:
+        snapshot.restore(engine, comm, session.snapshots, choice)
+        session.resumed = ("memory", choice.step)
+        session.last_snapshot_step = choice.step  # held already: not snapshotted again
+    else:
+        zc.load(engine, url, storage_options=session.storage_options)
+        session.resumed = ("storage", engine.global_step)
+        session.last_saved_step = engine.global_step  # a recovery point at this step need not save it again
+    nbytes = sum(t.numel() * t.element_size() for gs in engine.shard_state() for t in gs.tensors.values())
+    session.checkpoint_load = (time.perf_counter() - start, nbytes)
+    if session.elastic:
+        _realign_accumulation(engine)
+    return True
+
+
+def _newest_on_storage(session: Session, fallback: bool) -> zc.CheckpointInfo | None:
+    """Rank 0: the run's newest valid committed checkpoint. With a snapshot to fall back on (``fallback``), a
+    storage that cannot be listed is logged instead of failing the start."""
+    try:
+        return zc.latest_valid(session.context.trial_dir, session.storage_options)
+    except Exception as e:
+        if not fallback:
+            raise
+        logger.warning("zeroray: could not list the checkpoints in %s (%s: %s); resuming from the in-memory "
+                       "snapshot", session.context.trial_dir, type(e).__name__, e)
+        return None
 
 
 def _realign_accumulation(engine: Any) -> None:
@@ -88,6 +120,8 @@ def save(session: Session) -> None:
     engine, cfg = session.engine, session.checkpoint_config
     url = zc.checkpoint_url(session.context.trial_dir, engine.global_step)
     session.last_saved_step = engine.global_step
+    if session.snapshots is not None:  # a restart then knows storage may hold a state newer than a snapshot
+        session.snapshots.saved_step = max(session.snapshots.saved_step or 0, engine.global_step)
     options = {"storage_options": session.storage_options, "num_to_keep": cfg.num_to_keep}
     if not cfg.async_save:
         wait(session)  # a sync save after an async one: one save in flight at a time

@@ -115,6 +115,10 @@ class Session:
     last_saved_step: int | None = None  # global step of this engine's newest save
     checkpoint_load: tuple[float, int] | None = None  # (seconds, bytes) of the resume load, for the metrics
     engine_ready_at: float | None = None  # time.time() when zt.prepare built the engine (before its resume load)
+    snapshots: Any = None  # the rank actor's zeroray.checkpoint.snapshot.SnapshotStore (snapshot_interval > 0)
+    snapshot_group: tuple[str, list[int]] | None = None  # this group's id and its ranks' node ranks
+    last_snapshot_step: int | None = None
+    resumed: tuple[str, int] | None = None  # where zt.prepare's resume came from: ("memory" | "storage", step)
 
     @property
     def engine(self) -> Any:

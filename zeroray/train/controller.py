@@ -351,7 +351,17 @@ class Controller:
             self._on_report(report)
         if status.timings and self.attempt_history:
             self.attempt_history[-1].phases.update(status.timings)
+        if status.resumed and self.attempt_history:
+            self._resumed_from(*status.resumed)
         return status
+
+    def _resumed_from(self, source: str, step: int) -> None:
+        """The group says where it resumed from (an in-memory snapshot may be newer than what storage held
+        when the attempt began): the attempt's start step, and the steps the previous one lost, follow."""
+        attempt = self.attempt_history[-1]
+        attempt.start_step, attempt.recovered_from = step, source
+        if len(self.attempt_history) > 1:
+            _count_lost(self.attempt_history[-2], step)
 
     def _on_report(self, report: Report) -> None:
         if self.attempt_history and report.ranks and report.ranks[0].global_step is not None:
@@ -429,9 +439,7 @@ class Controller:
 
     def _begin_attempt(self, world_size: int, start_step: int) -> None:
         if self.attempt_history:
-            previous = self.attempt_history[-1]
-            reached = previous.last_step if previous.last_step is not None else previous.start_step
-            previous.steps_lost = max(reached - start_step, 0)
+            _count_lost(self.attempt_history[-1], start_step)
         attempt = Attempt(index=self.attempt, world_size=world_size, start_step=start_step, started_at=time.time())
         self.attempt_history.append(attempt)
         for callback in self.callbacks:
@@ -478,3 +486,9 @@ class Controller:
 def _first_hand(failures: list[Failure]) -> set[int]:
     """Ranks that failed on their own (not through a peer's failure): never reused."""
     return {f.rank for f in failures if isinstance(f, WorkerFailure) and not f.secondary}
+
+
+def _count_lost(previous: Attempt, start_step: int) -> None:
+    """The steps ``previous`` reached that the attempt after it, starting at ``start_step``, has to redo."""
+    reached = previous.last_step if previous.last_step is not None else previous.start_step
+    previous.steps_lost = max(reached - start_step, 0)

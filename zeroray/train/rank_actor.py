@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from zeroray.checkpoint.snapshot import SnapshotStore
 from zeroray.engine import Comm
 from zeroray.train import checkpoint_manager, rendezvous
 from zeroray.train.context import RankInfo, Session, TrainContext, set_session
@@ -57,6 +58,9 @@ class RankActor:
     def __init__(self, run: str, use_gpu: bool) -> None:
         self.run, self.use_gpu = run, use_gpu
         self.info: RankInfo | None = None  # this group's rank and world, from setup
+        # In-memory snapshots (FailureConfig.snapshot_interval), this rank's and its buddies': kept from one group
+        # to the next, so a restarted group recovers from its ranks' memory.
+        self.snapshots: SnapshotStore | None = None
         self._clear_loop()
         _log_info_to_stderr()
 
@@ -105,8 +109,10 @@ class RankActor:
         except Exception:  # no metrics agent (e.g. a minimal cluster): training does not depend on it
             pass
         ctx = TrainContext(self.info, spec.name, spec.storage_path, device, spec.run_url, batch=batch)
+        if spec.snapshot_interval and self.snapshots is None:
+            self.snapshots = SnapshotStore()
         self.session = Session(ctx, spec, dataset_shards, Comm(report_group), report_callbacks=callbacks,
-                               elastic=elastic)
+                               elastic=elastic, snapshots=self.snapshots)
         if elastic:
             from zeroray.train.recovery_point import RecoveryPointCallback
 
@@ -156,12 +162,13 @@ class RankActor:
             q = self.session.reports
             while not q.empty():
                 reports.append(q.get_nowait())
-        timings = None
+        timings = resumed = None
         if reports and not self.timings_sent:
             self.timings_sent = True
             timings = self._startup_timings(reports[0].time)
+            resumed = self.session.resumed
         return {"reports": reports, "done": done, "failure": failure, "stopped": self.stopped and done,
-                "stopped_at": self.stopped_at, "timings": timings}
+                "stopped_at": self.stopped_at, "timings": timings, "resumed": resumed}
 
     def _startup_timings(self, first_report_at: float) -> dict[str, float]:
         """Seconds from the loop's start to its first report: building the model and engine (until zt.prepare

@@ -31,7 +31,7 @@ RANK_METRICS = (
     M.STEP, M.REPORTS, M.LOSS, M.LEARNING_RATE, M.GRAD_NORM, M.LOSS_SCALE, M.SKIPPED_STEPS, M.STEP_TIME,
     M.PHASE_TIME, M.SAMPLES_PER_SECOND, M.TOKENS_PER_SECOND, M.MFU, M.MEMORY, M.COMM_BYTES, M.COMM_BANDWIDTH,
     M.CHECKPOINT_SAVE_SECONDS, M.CHECKPOINT_STALL_SECONDS, M.CHECKPOINT_BYTES, M.CHECKPOINT_SAVES,
-    M.CHECKPOINT_LOAD_SECONDS, M.CHECKPOINT_LOAD_BYTES, M.OFFLOAD_BYTES, M.OFFLOAD_BANDWIDTH,
+    M.CHECKPOINT_LOAD_SECONDS, M.CHECKPOINT_LOAD_BYTES, M.SNAPSHOT_STALL_SECONDS, M.OFFLOAD_BYTES, M.OFFLOAD_BANDWIDTH,
 )
 
 
@@ -143,6 +143,8 @@ class RankMetrics(ReportCallback):
                 self._set(M.CHECKPOINT_SAVE_SECONDS, stats.checkpoint_s)
             self._set(M.CHECKPOINT_BYTES, stats.checkpoint_bytes)
             self._set(M.CHECKPOINT_SAVES, self._saves)
+        if stats.snapshot_s is not None:
+            self._set(M.SNAPSHOT_STALL_SECONDS, stats.snapshot_s)
         loaded = getattr(session, "checkpoint_load", None)  # (seconds, bytes) of zt.prepare's resume load
         if loaded is not None:
             self._set(M.CHECKPOINT_LOAD_SECONDS, loaded[0])

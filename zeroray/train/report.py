@@ -20,7 +20,9 @@ class RankStats:
     collective kind (``engine.comm_report()``) and to or from its offload tiers (an engine's
     ``offload_report()``, keyed ``"<tier>:<direction>"``, when it offloads); ``checkpoint_s`` / ``checkpoint_bytes``: how long
     this report's checkpoint save blocked the loop and the bytes of this rank's shard (None when
-    the report saved none; the driver's copy never has them, the save comes after the exchange)."""
+    the report saved none; the driver's copy never has them, the save comes after the exchange);
+    ``snapshot_s`` / ``snapshot_bytes``: the same for this report's in-memory snapshot
+    (``FailureConfig.snapshot_interval``), its copy to the buddy rank included."""
 
     rank: int
     global_step: int | None
@@ -31,6 +33,8 @@ class RankStats:
     offload_bytes: dict[str, int] = field(default_factory=dict)
     checkpoint_s: float | None = None
     checkpoint_bytes: int | None = None
+    snapshot_s: float | None = None
+    snapshot_bytes: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

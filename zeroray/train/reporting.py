@@ -22,7 +22,7 @@ from typing import Any
 import psutil
 import torch
 
-from zeroray.train import checkpoint_manager
+from zeroray.train import checkpoint_manager, snapshot_manager
 from zeroray.train.context import Session, get_session
 from zeroray.train.errors import ReportMismatchError
 from zeroray.train.report import RankStats, Report
@@ -71,6 +71,8 @@ def _rank_stats(session: Session) -> RankStats:
     if device.type == "cuda":
         memory["cuda_allocated"] = int(torch.cuda.memory_allocated(device))
         memory["cuda_max_allocated"] = int(torch.cuda.max_memory_allocated(device))
+    if session.snapshots is not None:
+        memory["snapshots"] = session.snapshots.nbytes  # host copies held: this rank's and its buddies'
     memory["process_rss"] = _process_rss_bytes()
     memory["process_peak_rss"] = _process_peak_rss_bytes()
     return RankStats(
@@ -139,6 +141,9 @@ def report(metrics: dict[str, Any], checkpoint: bool = False) -> None:
     _check_mismatch(gathered, num_reports=session.num_reports)
     if checkpoint:
         stats = _save(session, stats)
+    if snapshot_manager.due(session):
+        seconds, nbytes = snapshot_manager.take(session)
+        stats = dataclasses.replace(stats, snapshot_s=seconds, snapshot_bytes=nbytes)
     session.num_reports += 1
     session.waiting_in = None
     for callback in session.report_callbacks:

@@ -21,6 +21,9 @@ class Attempt:
     attempt redid (``last_step`` - the next ``start_step``; 0 for a planned resize). Times are
     ``time.time()``: ``ended_at`` is when the driver noticed the end.
 
+    ``recovered_from``: where the group's state came from, "memory" (the ranks' in-memory snapshots,
+    ``FailureConfig.snapshot_interval``), "storage" (a committed checkpoint) or None (from scratch).
+
     ``kept_ranks``: ranks whose actor (process, imports, bundle) came from the previous attempt; the others
     were started for it. ``phases``: seconds of its start, in order: ``prestart`` (a grow only: starting
     the added ranks while the previous group still trained, not counted against training), ``teardown`` (ending the previous
@@ -43,6 +46,7 @@ class Attempt:
     steps_lost: int | None = None
     kept_ranks: int = 0
     phases: dict[str, float] = field(default_factory=dict)
+    recovered_from: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -31,6 +31,7 @@ class RunSpec:
     placement_strategy: str
     placement_timeout_s: float | None
     collective_timeout_s: float
+    snapshot_interval: int  # FailureConfig's: in-memory snapshots every this many steps (0 = off)
     checkpoint_config: CheckpointConfig
     samples_per_step: int | None
     progress_bar: bool | None

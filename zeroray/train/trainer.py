@@ -116,6 +116,7 @@ class ZeroTrainer:
             placement_strategy=sc.placement_strategy,
             placement_timeout_s=sc.placement_timeout_s,
             collective_timeout_s=rc.failure_config.collective_timeout_s,
+            snapshot_interval=rc.failure_config.snapshot_interval,
             checkpoint_config=rc.checkpoint_config,
             samples_per_step=self.samples_per_step,
             progress_bar=rc.progress_bar,

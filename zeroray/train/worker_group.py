@@ -81,6 +81,7 @@ class PollStatus:
     stopped: list[bool] = field(default_factory=list)  # the loop ended at a recovery point
     stopped_at: int | None = None
     timings: dict[str, float] | None = None  # rank 0's start-up seconds, with its first report
+    resumed: tuple[str, int] | None = None  # with them: what the group resumed from ("memory" | "storage", step)
 
     @property
     def finished(self) -> bool:
@@ -387,6 +388,7 @@ class WorkerGroup:
             if rank == 0:
                 status.reports.extend(out["reports"])
                 status.timings = out.get("timings")
+                status.resumed = out.get("resumed")
             self._done[rank] = out["done"]
             if out.get("stopped"):
                 self._stopped[rank] = True
