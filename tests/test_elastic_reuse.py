@@ -9,6 +9,7 @@ are in test_elastic_faults.py.)
 from __future__ import annotations
 
 import os
+import re
 import time
 from pathlib import Path
 
@@ -189,3 +190,29 @@ def test_a_peer_dying_mid_backward_keeps_every_survivor(ray_cluster, tmp_path):
     survivors = first_pids - {starts[1][0]}
     assert survivors <= second_pids and starts[1][0] not in second_pids, starts  # ranks may be renumbered
     assert_nothing_left(name, [p for ps in starts.values() for p in ps])
+
+
+def test_a_rank_whose_loop_does_not_end_says_where_it_waits():
+    """Release gives up on a loop that does not end; the reason (logged by the driver) names the frames the
+    loop thread waits in, so a survivor that is not kept says why."""
+    import threading
+
+    from zeroray.train.rank_actor import RankActor
+
+    blocked, entered = threading.Event(), threading.Event()
+
+    def waits_in_a_collective_that_never_returns() -> None:
+        entered.set()
+        blocked.wait()
+
+    actor = RankActor("run", use_gpu=False)
+    actor.thread = threading.Thread(target=waits_in_a_collective_that_never_returns, daemon=True)
+    actor.thread.start()
+    assert entered.wait(10)
+    try:
+        why = actor.release(timeout_s=0.05)
+    finally:
+        blocked.set()
+        actor.thread.join(10)
+    assert why.startswith("its loop was still running after 0.05s (in the loop; at threading.py:"), why
+    assert re.search(r"< test_elastic_reuse\.py:\d+ waits_in_a_collective_that_never_returns <", why), why

@@ -17,6 +17,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import sys
 import threading
 import time
 import traceback
@@ -196,7 +197,8 @@ class RankActor:
             if self.thread.is_alive():
                 where = self.session.waiting_in if self.session is not None else None
                 return (f"its loop was still running after {timeout_s:g}s ("
-                        f"{'in zt.report' if where == 'report' else 'at its end' if where == 'end' else 'in the loop'})")
+                        f"{'in zt.report' if where == 'report' else 'at its end' if where == 'end' else 'in the loop'}"
+                        f"{stack_tail(self.thread)})")
         if self.session is not None and not _join_upload(self.session, max(deadline - time.monotonic(), 0.5)):
             return f"its checkpoint upload was still running after {timeout_s:g}s"
         for callback in self.session.report_callbacks if self.session is not None else []:
@@ -212,6 +214,16 @@ class RankActor:
         set_session(None)
         if self.done:
             rendezvous.destroy_process_group()
+
+
+def stack_tail(thread: threading.Thread, frames: int = 4) -> str:
+    """Where ``thread`` is now, innermost frame first: the driver logs it when a rank is not kept, so a loop
+    that does not end (a collective that does not return, user code) says where it waits."""
+    frame = sys._current_frames().get(thread.ident)
+    if frame is None:
+        return ""
+    inner = reversed(traceback.extract_stack(frame)[-frames:])
+    return "; at " + " < ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in inner)
 
 
 def _leave_failed_group(session: Session, reason: str) -> None:
