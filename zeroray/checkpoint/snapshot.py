@@ -70,12 +70,6 @@ class Header:
     meta: dict[str, Any]
     nbytes: int
 
-    def entry(self, kind: str, name: str, key: str = "") -> Entry:
-        for e in self.entries:
-            if (e.kind, e.name, e.key) == (kind, name, key):
-                return e
-        raise KeyError(f"snapshot of rank {self.rank} at step {self.step} has no {kind} {name!r} {key!r}")
-
 
 @dataclass(frozen=True)
 class Snapshot:
@@ -242,12 +236,14 @@ def restore(engine: ZeroEngine, comm: Comm, store: SnapshotStore, choice: Choice
         dests.append(dest)
 
     old = {s.name: (g, s) for g in choice.headers[0].groups for s in g.slots}
+    saved_keys: dict[str, list[str]] = {}  # old group -> the states it was snapshotted with
+    for e in choice.headers[0].entries:
+        if e.kind == "shard":
+            saved_keys.setdefault(e.name, []).append(e.key)
     tensors = {}
     for gs in engine.shard_state():
         _check_fits(gs.slots, old, choice)
-        og = old[gs.slots[0].name][0]
-        keys = ["weight"] if gs.param_group is None else [
-            e.key for e in choice.headers[0].entries if e.kind == "shard" and e.name == og.name]
+        keys = ["weight"] if gs.param_group is None else saved_keys[old[gs.slots[0].name][0].name]
         out = {k: torch.zeros(gs.hi - gs.lo, dtype=torch.float32) for k in keys}
         for p in layout.pieces(gs.slots, gs.lo, gs.hi):
             g, slot = old[p.name]
@@ -276,10 +272,13 @@ def _move(comm: Comm, store: SnapshotStore, choice: Choice, asks: list[_Ask], de
     """Serve every rank's asks from the snapshots this rank holds, and fill ``dests`` with this rank's."""
     me = comm.rank
     everyone = comm.all_gather_object(asks)
+    entries: dict[int, dict[tuple[str, str, str], Entry]] = {}  # old rank -> its snapshot's entries by name
 
     def piece(a: _Ask) -> torch.Tensor:
         snap = store.held[(choice.group_id, choice.step, a.rank)]
-        return snap.bytes_of(snap.header.entry(a.kind, a.name, a.key), a.lo, a.hi)
+        if a.rank not in entries:
+            entries[a.rank] = {(e.kind, e.name, e.key): e for e in snap.header.entries}
+        return snap.bytes_of(entries[a.rank][(a.kind, a.name, a.key)], a.lo, a.hi)
 
     sends, recvs, incoming = {}, {}, {}
     for j, theirs in enumerate(everyone):
