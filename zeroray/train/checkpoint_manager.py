@@ -76,11 +76,15 @@ def resume(session: Session) -> bool:
         zc.load(engine, url, storage_options=session.storage_options)
         session.resumed = ("storage", engine.global_step)
         session.last_saved_step = engine.global_step  # a recovery point at this step need not save it again
-    nbytes = sum(t.numel() * t.element_size() for gs in engine.shard_state() for t in gs.tensors.values())
-    session.checkpoint_load = (time.perf_counter() - start, nbytes)
+    session.checkpoint_load = (time.perf_counter() - start, shard_bytes(engine))
     if session.elastic:
         _realign_accumulation(engine)
     return True
+
+
+def shard_bytes(engine: Any) -> int:
+    """Bytes of this rank's shard state (weights and optimizer states): what a save writes and a load reads."""
+    return sum(t.numel() * t.element_size() for gs in engine.shard_state() for t in gs.tensors.values())
 
 
 def _newest_on_storage(session: Session, fallback: bool) -> zc.CheckpointInfo | None:

@@ -92,8 +92,7 @@ def _save(session: Session, stats: RankStats) -> RankStats:
     start = time.perf_counter()
     checkpoint_manager.save(session)
     blocked = time.perf_counter() - start
-    nbytes = sum(t.numel() * t.element_size() for gs in session.engine.shard_state() for t in gs.tensors.values())
-    return dataclasses.replace(stats, checkpoint_s=blocked, checkpoint_bytes=int(nbytes))
+    return dataclasses.replace(stats, checkpoint_s=blocked, checkpoint_bytes=checkpoint_manager.shard_bytes(session.engine))
 
 
 def _exchange(session: Session, item: Any) -> list[Any]:
