@@ -9,9 +9,14 @@ compute:
 
 - ``torch``: fp32 parameters under ``torch.autocast(bf16)`` (the usual PyTorch recipe);
 - ``zeroray-S``: ``precision="bf16"`` (bf16 parameters, fp32 master weights), ZeRO stage S;
-  ``zeroray-3-offload`` keeps masters and Adam moments in pinned host memory (``offload_optimizer``);
+  ``zeroray-S-offload`` keeps masters and Adam moments in pinned host memory (``offload_optimizer``),
+  stepped there by the same ``AdamW(fused=True)`` on the CPU;
 - ``fsdp2``: ``fully_shard`` per block and the root, ``MixedPrecisionPolicy(bf16, reduce fp32)``;
-- ``deepspeed-S``: ``bf16.enabled`` and ZeRO stage S, the same client optimizer.
+  ``fsdp2-offload`` adds ``CPUOffloadPolicy(pin_memory=True)`` (parameters, gradients and the optimizer
+  step on the CPU);
+- ``deepspeed-S``: ``bf16.enabled`` and ZeRO stage S, the same client optimizer; ``deepspeed-S-offload``
+  is ZeRO-Offload (``offload_optimizer.device: cpu``, pinned, ``overlap_comm``) with DeepSpeed's own
+  ``DeepSpeedCPUAdam`` (an AVX C++ op it compiles at first use), as its docs recommend.
 
 Reported: median step time, tokens/s, MFU (model FLOPs 6N + 12·L·d·T per token, over the device's dense
 bf16 peak), peak allocated memory; ``--largest`` adds the largest model (of the sizes given, in
@@ -24,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -34,7 +40,8 @@ from typing import Any
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-SYSTEMS = ["torch", "zeroray-0", "zeroray-3", "zeroray-3-offload", "fsdp2", "deepspeed-0", "deepspeed-3"]
+SYSTEMS = ["torch", "zeroray-0", "zeroray-3", "zeroray-3-offload", "fsdp2", "deepspeed-0", "deepspeed-3",
+           "zeroray-2", "zeroray-2-offload", "fsdp2-offload", "deepspeed-2-offload"]
 # Dense bf16 peak (no sparsity), by substring of torch.cuda.get_device_name().
 PEAK_BF16 = {"H200": 989e12, "H100 PCIe": 756e12, "H100": 989e12, "A100": 312e12, "L4": 121e12}
 LR = 1e-4
@@ -63,26 +70,40 @@ class Runner:
             offload = {"device": "cpu", "pin_memory": True} if name.endswith("offload") else {}
             cfg = zeroray.ZeroConfig(stage=int(name.split("-")[1]), precision="bf16", offload_optimizer=offload)
             self.engine = zeroray.initialize(model, opt, cfg)
-        elif name == "fsdp2":
-            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        elif name.startswith("fsdp2"):
+            from torch.distributed.fsdp import (
+                CPUOffloadPolicy,
+                MixedPrecisionPolicy,
+                OffloadPolicy,
+                fully_shard,
+            )
 
             mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            policy = CPUOffloadPolicy(pin_memory=True) if name.endswith("offload") else OffloadPolicy()
             for block in model.transformer.h:
-                fully_shard(block, mp_policy=mp)
-            fully_shard(model, mp_policy=mp)
+                fully_shard(block, mp_policy=mp, offload_policy=policy)
+            fully_shard(model, mp_policy=mp, offload_policy=policy)
             self.model = model
             self.opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)  # over the DTensor shards
         elif name.startswith("deepspeed"):
             import deepspeed
 
-            config = {
+            zero: dict[str, Any] = {"stage": int(name.split("-")[1])}
+            client: torch.optim.Optimizer | None = opt
+            config: dict[str, Any] = {
                 "train_micro_batch_size_per_gpu": micro_batch,
                 "gradient_accumulation_steps": 1,
                 "bf16": {"enabled": True},
-                "zero_optimization": {"stage": int(name[-1])},
+                "zero_optimization": zero,
                 "zero_allow_untested_optimizer": True,
             }
-            self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+            if name.endswith("offload"):
+                zero.update(offload_optimizer={"device": "cpu", "pin_memory": True}, overlap_comm=True,
+                            contiguous_gradients=True)
+                config["optimizer"] = {"type": "AdamW", "params": {"lr": LR}}  # DeepSpeedCPUAdam
+                client = None
+            self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=client, config=config,
+                                                        model_parameters=model.parameters())
         else:
             raise ValueError(f"unknown system {name!r}; known: {', '.join(SYSTEMS)}")
 
@@ -132,6 +153,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
             losses.append(loss.item())  # syncs: the step is done
             if i >= args.warmup:
                 times.append(time.perf_counter() - t0)
+            elif i == args.warmup - 1 and args.one.startswith("zeroray"):
+                runner.engine.phase_report()  # phase means over the timed steps only
         step = statistics.median(times)
         tokens_s = args.micro_batch * args.seq / step
         peak = peak_flops(torch.cuda.get_device_name(dev))
@@ -140,10 +163,13 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
             tokens_s=tokens_s,
             mfu=tokens_s * flops_per_token(cfg, n_params, args.seq) / peak if peak else None,
             peak_alloc_gib=torch.cuda.max_memory_allocated(dev) / 2**30,
+            peak_rss_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
             first_loss=losses[0],
             last_loss=losses[-1],
             ok=True,
         )
+        if args.one.startswith("zeroray"):  # where a step's time goes, and the offload copies
+            out.update(phases=runner.engine.phase_report().as_dict(), offload_io=runner.engine.optim.io_report())
     except torch.OutOfMemoryError as e:
         out.update(ok=False, error=f"OutOfMemoryError: {str(e).splitlines()[0]}")
     except Exception as e:  # a system that cannot run this set-up is reported, not fatal
@@ -167,7 +193,7 @@ def measure(system: str, params: float, args: argparse.Namespace, steps: int, wa
 
 def table(rows: list[dict], base: str) -> str:
     ref = next((r for r in rows if r["system"] == base and r.get("ok")), None)
-    out = ["| system | step (s) | vs torch | tokens/s | MFU | peak GiB |", "|---|---|---|---|---|---|"]
+    out = [f"| system | step (s) | vs {base} | tokens/s | MFU | peak GiB |", "|---|---|---|---|---|---|"]
     for r in rows:
         if not r.get("ok"):
             out.append(f"| {r['system']} | {r.get('error', 'failed')[:90]} | | | | |")
@@ -185,7 +211,8 @@ def main() -> None:
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--systems", default=",".join(SYSTEMS[:7]))
+    ap.add_argument("--base", default="torch", help="the system the table's ratios divide by")
     ap.add_argument("--largest", default="", help="model sizes in billions to try, e.g. 3,4,5 (ascending)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gpu"))
     ap.add_argument("--timeout", type=float, default=600)
@@ -220,7 +247,7 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out + ".json").write_text(json.dumps(result, indent=1))
     md = [f"{device}, torch {torch.__version__}: bf16 GPT of {rows[0].get('params', 0) / 1e9:.2f}B parameters, "
-          f"seq {args.seq}, micro-batch {args.micro_batch}, world 1, AdamW(fused=True)", "", table(rows, "torch")]
+          f"seq {args.seq}, micro-batch {args.micro_batch}, world 1, AdamW(fused=True)", "", table(rows, args.base)]
     if largest:
         md += ["", f"Largest model trained (sizes tried: {args.largest} B; micro-batch 1):", ""]
         md += [f"- {s}: {v['params'] / 1e9:.2f}B ({v['peak_alloc_gib']:.1f} GiB peak)" if v else f"- {s}: none of them"

@@ -103,6 +103,10 @@ class Handle:
             self._then = both
         return self
 
+    def ready(self) -> bool:
+        """True when every collective has finished (never blocks): waiting now would not stall."""
+        return self.done or all(w.is_completed() for w in self._works)
+
     def wait(self) -> None:
         if self.done:
             return
@@ -139,6 +143,12 @@ class InFlight:
 
     def wait_all(self) -> None:
         while self._queue:
+            self._pop()
+
+    def poll(self) -> None:
+        """Complete the oldest collectives that have already finished (in order, without blocking),
+        so their callbacks run now rather than at the next wait."""
+        while self._queue and self._queue[0][0].ready():
             self._pop()
 
     def _pop(self) -> None:

@@ -233,6 +233,7 @@ class ZeroEngine:
             overlap=config.comm.overlap_comm,
             max_inflight=config.comm.reduce_bucket_size,
             units=units,
+            on_final=home.grad_ready if home.early_grads else None,
         )
         self._setup_comm = self.comm.report()
         self.comm.reset()  # the report counts training traffic, not set-up
@@ -332,7 +333,7 @@ class ZeroEngine:
         else:
             self._clip(grads)
             self.optim.step(grads)
-            self._publish(trainable)
+            self._publish(trainable, masters_copied=self.optim.home.publishes_shards)
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         for g in trainable:
@@ -455,12 +456,13 @@ class ZeroEngine:
         if self.lr_scheduler is not None and meta.get("lr_scheduler") is not None:
             self.lr_scheduler.load_state_dict(meta["lr_scheduler"])
 
-    def _publish(self, groups: list[FlatGroup]) -> None:
-        """Rebuild the compute parameters from the (new) master shards; stages 1-2 all-gather
-        them, allgather_bucket_size elements at a time."""
+    def _publish(self, groups: list[FlatGroup], masters_copied: bool = False) -> None:
+        """Rebuild the compute parameters from the (new) master shards (``masters_copied``: the
+        optimizer's home wrote them into the compute shards already); stages 1-2 all-gather them,
+        allgather_bucket_size elements at a time."""
         gathers = InFlight(self.config.comm.allgather_bucket_size)
         for g in groups:
-            gathers.add(g.publish_master(), g.padded)
+            gathers.add(g.publish_master(cast=not masters_copied), g.padded)
         with self._phases.phase("comm_wait"):
             gathers.wait_all()
 
@@ -491,13 +493,17 @@ class ZeroEngine:
         return self._phases.report()
 
     def offload_report(self) -> dict[str, int]:
-        """Cumulative bytes read from and written to the NVMe swap files since set-up, keyed
-        ``"nvme:read"`` / ``"nvme:write"`` (the metrics' offload panels); empty unless the optimizer
-        states live in NVMe files."""
+        """Cumulative bytes moved to and from the offload tier since set-up, keyed ``"<tier>:<direction>"``
+        (the metrics' offload panels): ``"nvme:read"`` / ``"nvme:write"``, the swap files' traffic;
+        ``"cpu:write"`` / ``"cpu:read"``, gradients copied to host memory and updated weights copied back
+        (CPU offload on an accelerator). Empty without offload, and with CPU offload on a CPU-only machine
+        (host memory is the device: nothing moves)."""
         io = self.optim.io_report()
-        if "bytes_read" not in io:
-            return {}
-        return {"nvme:read": int(io["bytes_read"]), "nvme:write": int(io["bytes_written"])}
+        if "bytes_read" in io:
+            return {"nvme:read": int(io["bytes_read"]), "nvme:write": int(io["bytes_written"])}
+        if "bytes_to_host" in io:
+            return {"cpu:write": int(io["bytes_to_host"]), "cpu:read": int(io["bytes_to_device"])}
+        return {}
 
     def comm_report(self) -> dict[str, int]:
         """Cumulative bytes per collective kind since set-up or the last reset."""
@@ -538,6 +544,7 @@ class ZeroEngine:
                 with torch.no_grad():
                     for g in groups:
                         self.comm.broadcast(g.full, src=modifier_rank)
+                        self.optim.home.settle()  # no copy of the masters to the device is in flight
                         g.adopt_full()
                         if g.trainable and g.master is None:  # the master is in a swap file
                             self.optim.adopt(g, g.full[g.lo : g.hi])

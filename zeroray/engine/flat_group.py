@@ -267,9 +267,10 @@ class FlatGroup:
             self.grad_shard.zero_()
 
     # ------------------------------------------------------------------ after the optimizer step
-    def publish_master(self) -> Handle:
-        """Cast the updated master shard into the compute shard and share it with the other ranks."""
-        if self.master is not None and self.master is not self.shard:
+    def publish_master(self, cast: bool = True) -> Handle:
+        """Cast the updated master shard into the compute shard (unless ``cast`` is False: done
+        already) and share it with the other ranks."""
+        if cast and self.master is not None and self.master is not self.shard:
             self.shard.copy_(self.master)
         if self.sharding.shards_optimizer and not self.sharding.shards_params:
             return self.comm.all_gather(self.full, self.shard, async_op=True)

@@ -50,6 +50,15 @@ class StateHome:
         """Called once the optimizer exists."""
 
     lazy_grads = False  # see GradShards: fp32 gradients made per sub-group, as it is stepped
+    early_grads = False  # grad_ready() wants each group's final gradient shard as soon as it is reduced
+    publishes_shards = False  # publish() writes the compute shards itself (the engine need not copy the masters)
+
+    def grad_ready(self, g: FlatGroup) -> None:
+        """``g``'s gradient shard holds its final value for this step (called during backward when
+        :attr:`early_grads`)."""
+
+    def settle(self) -> None:
+        """Wait for copies in flight that read the masters, before anyone writes them."""
 
     def grad(self, g: FlatGroup, lo: int = 0, hi: int | None = None) -> torch.Tensor:
         """``g``'s gradient shard (or its ``[lo, hi)``) in fp32 where the optimizer runs; eager
@@ -101,8 +110,18 @@ class ResidentHome(StateHome):
         self.compute_device = compute_device
         self.master_device = master_device
         self.offloaded = master_device != compute_device
-        self.pin = pin_memory and self.offloaded and torch.cuda.is_available()
+        self.pin = pin_memory and self.offloaded and compute_device.type == "cuda"
+        # CPU offload on CUDA with pinned buffers: gradient shards go to the host on a side stream as
+        # each group's reduction completes (overlapping backward), and each stepped sub-group's masters
+        # go back to the device at once, cast there (overlapping the next sub-group's CPU step).
+        self.early_grads = self.pin
+        self.publishes_shards = self.offloaded
         self._host_grads: dict[FlatGroup, torch.Tensor] = {}
+        self._copies: dict[FlatGroup, torch.cuda.Event] = {}  # device -> host copies in flight
+        self._copy_stream: torch.cuda.Stream | None = None
+        self._published: torch.cuda.Event | None = None  # the last host -> device copy of masters
+        self._io = {"bytes_to_host": 0, "bytes_to_device": 0, "grad_copies_in_backward": 0, "grad_copies_in_step": 0,
+                    "grad_wait_s": 0.0}
 
     def param_data(self, g: FlatGroup, lo: int, hi: int) -> torch.Tensor:
         return g.master if (lo, hi) == (0, g.shard_numel) else g.master[lo:hi]
@@ -113,25 +132,73 @@ class ResidentHome(StateHome):
         # parameter at the step's peak, bf16 at world 1). fp32 gradient shards are used in place.
         self.lazy_grads = not self.offloaded and any(g.grad_shard.dtype != g.master.dtype for g in groups)
 
+    def _host_grad(self, g: FlatGroup) -> torch.Tensor:
+        """``g``'s reusable host buffer for its fp32 gradient shard (pinned on CUDA)."""
+        buf = self._host_grads.get(g)
+        if buf is None:
+            buf = torch.empty(g.grad_shard.shape, dtype=g.master.dtype, device=self.master_device, pin_memory=self.pin)
+            self._host_grads[g] = buf
+        return buf
+
+    def grad_ready(self, g: FlatGroup) -> None:
+        stream = self._copy_stream
+        if stream is None:
+            stream = self._copy_stream = torch.cuda.Stream(self.compute_device)
+        buf = self._host_grad(g)
+        stream.wait_stream(torch.cuda.current_stream(self.compute_device))  # behind the reduction's result
+        with torch.cuda.stream(stream):
+            buf.copy_(g.grad_shard, non_blocking=True)  # cast to fp32 on the device, then one DMA
+            done = torch.cuda.Event()
+            done.record(stream)
+        self._copies[g] = done
+        self._io["bytes_to_host"] += buf.nbytes
+        self._io["grad_copies_in_backward"] += 1
+
     def grad(self, g: FlatGroup, lo: int = 0, hi: int | None = None) -> torch.Tensor:
         gs = g.grad_shard
         if not self.offloaded:
             if hi is not None or lo:
                 gs = gs[lo:hi]
             return gs if gs.dtype == g.master.dtype else gs.to(g.master.dtype)
-        # Device -> host into a reusable (pinned) buffer, cast on the way.
-        buf = self._host_grads.get(g)
-        if buf is None:
-            buf = torch.empty(gs.shape, dtype=g.master.dtype, device=self.master_device, pin_memory=self.pin)
-            self._host_grads[g] = buf
-        buf.copy_(gs, non_blocking=self.pin)
-        if self.pin:
-            torch.cuda.current_stream(self.compute_device).synchronize()
+        buf = self._host_grad(g)
+        t0 = time.perf_counter()
+        done = self._copies.pop(g, None)
+        if done is not None:  # started during backward
+            done.synchronize()
+        else:
+            buf.copy_(gs, non_blocking=self.pin)  # device -> host into the reusable buffer, cast on the way
+            if self.pin:
+                torch.cuda.current_stream(self.compute_device).synchronize()
+            self._io["bytes_to_host"] += buf.nbytes
+            self._io["grad_copies_in_step"] += 1
+        self._io["grad_wait_s"] += time.perf_counter() - t0
         return buf
 
+    def settle(self) -> None:
+        if self._published is not None:
+            self._published.synchronize()
+            self._published = None
+
     def cycle(self, subs: Sequence[SubGroup], optimizer: torch.optim.Optimizer) -> Iterator[tuple[SubGroup, None]]:
+        self.settle()
         for sub in subs:
             yield sub, None
+
+    def publish(self, sub: SubGroup) -> None:
+        if not self.publishes_shards:
+            return
+        for piece in sub.pieces:  # pinned: cast on the device, and the host goes on stepping the next sub-group
+            shard = piece.group.shard[piece.lo : piece.hi]
+            shard.copy_(piece.param.data, non_blocking=self.pin)
+            self._io["bytes_to_device"] += shard.nbytes
+        if self.pin:
+            self._published = torch.cuda.Event()
+            self._published.record(torch.cuda.current_stream(self.compute_device))
+
+    def io_report(self) -> dict[str, float]:
+        """CPU offload on an accelerator: bytes copied each way, gradient copies started during backward
+        or in the step, and seconds the step waited for them (cumulative; empty without offload)."""
+        return dict(self._io) if self.offloaded else {}
 
     def master(self, g: FlatGroup) -> torch.Tensor:
         return g.master
@@ -141,6 +208,7 @@ class ResidentHome(StateHome):
 
     def load(self, piece: Piece, weight: torch.Tensor, states: dict[str, torch.Tensor], scalars: dict[str, float],
              optimizer: torch.optim.Optimizer) -> None:
+        self.settle()
         piece.param.data.copy_(weight.reshape(-1))
         if states:
             state: dict = {k: v.reshape(-1).to(device=self.master_device, dtype=piece.param.dtype) for k, v in states.items()}
@@ -150,6 +218,7 @@ class ResidentHome(StateHome):
             optimizer.state.pop(piece.param, None)
 
     def set_master(self, piece: Piece, values: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
+        self.settle()
         piece.param.data.copy_(values)
 
     def memory(self, subs: Sequence[SubGroup], optimizer: torch.optim.Optimizer) -> dict[str, int]:
@@ -167,6 +236,12 @@ class ResidentHome(StateHome):
         grads = sum(t.numel() * t.element_size() for t in self._host_grads.values())
         # fp32 compute at stage 3 keeps no separate master on the device; any master here is on the host
         return {"master": 0, "states": 0, "host": master + states + grads, "nvme": 0}
+
+    def close(self) -> None:
+        for done in self._copies.values():  # no copy may still write a buffer that is given back
+            done.synchronize()
+        self._copies.clear()
+        self.settle()
 
 
 class NvmeHome(StateHome):
@@ -188,6 +263,7 @@ class NvmeHome(StateHome):
         self._subs: Sequence[SubGroup] = ()
         self._placeholder = torch.empty(0, dtype=torch.float32, device=host_device)
         self.lazy_grads = True  # set per engine: see NvmeHome.attach
+        self.publishes_shards = True  # publish() copies each stepped sub-group into the compute shards
         self._read_wait = self._write_wait = 0.0  # seconds the step waited for the disk
 
     # ------------------------------------------------------------------ set-up

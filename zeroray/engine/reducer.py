@@ -14,11 +14,16 @@ can free its parameters early. ``finish()`` (end of backward) reduces groups who
 no gradient, so every rank issues the same collectives, and waits for all. In-flight temporaries
 are bounded by ``reduce_bucket_size`` elements (at least one reduction may always be in flight),
 so stages 2-3 never hold the full gradients at once.
+
+``on_final(group)`` (optional) is called once a group's gradient shard holds its final value for the
+step (its reduction on the accumulation boundary is done): CPU offload on CUDA starts the shard's
+device-to-host copy there. With it, finished reductions are completed as later ones are launched, so
+the copies of the first reduced groups overlap the rest of backward.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -41,6 +46,7 @@ class GradReducer:
         overlap: bool,
         max_inflight: int,
         units: Sequence[Unit] = (),
+        on_final: Callable[[FlatGroup], None] | None = None,
     ):
         self.groups = [g for g in groups if g.trainable]
         self.reduce_every_micro_step = reduce_every_micro_step
@@ -48,6 +54,7 @@ class GradReducer:
         self.active = False
         self.boundary = True
         self._unit_of: dict[FlatGroup, Unit] = {g: u for u in units for g in u.groups}
+        self._on_final = on_final
         self._bufs: dict[FlatGroup, GradBuffer] = {}
         self._remaining: dict[FlatGroup, int] = {}
         self._inflight = InFlight(max_inflight)
@@ -138,8 +145,13 @@ class GradReducer:
         if temporary:
             base = self._base.pop(buf)
             handle = handle.then(lambda: self._pool.setdefault(base.dtype, []).append(base))
+        if self._on_final is not None and self.boundary:
+            on_final = self._on_final
+            handle = handle.then(lambda: on_final(g))
         # Only temporaries count against the bound: persistent buffers (stages 0-1) cost nothing.
         self._inflight.add(handle, g.padded if temporary else 0)
+        if self._on_final is not None:
+            self._inflight.poll()
         unit = self._unit_of.get(g)
         if unit is not None:
             unit.reduced(g)

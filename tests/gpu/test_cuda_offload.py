@@ -1,0 +1,86 @@
+"""CPU offload on CUDA: the optimizer steps fp32 masters in pinned host memory, gradient shards go to
+the host on a side stream as each group's reduction completes (during backward), and each stepped
+sub-group's weights go back to the device, cast there.
+
+Against plain PyTorch / DDP on the device (the optimizer runs on the CPU here, so the tolerances are
+the CUDA parity tests' own), and the copies counted: every gradient copy of a step must have started
+during backward, none in the step.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import zeroray
+from tests.dist_harness import run_ranks
+from tests.models import TinyLM, batches, param_groups
+from tests.test_engine_parity import CLIP, GAS, LR, OPT_STEPS, _reference
+
+OFFLOAD = {"device": "cpu", "pin_memory": True}
+
+
+def _offloaded(model: torch.nn.Module, data: list, stage: int, precision: str) -> tuple[list[float], dict, dict, dict]:
+    cfg = zeroray.ZeroConfig(
+        stage=stage,
+        precision=precision,
+        gradient_accumulation_steps=GAS,
+        gradient_clipping=CLIP,
+        sub_group_size=3000,  # several sub-groups: each one's weights go back while the next steps
+        comm={"reduce_bucket_size": 500, "allgather_bucket_size": 700},
+        offload_optimizer=OFFLOAD,
+    )
+    engine = zeroray.initialize(model, torch.optim.AdamW(param_groups(model), lr=LR), cfg)
+    losses = []
+    for x, y in data:
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    groups = sum(g.trainable for g in engine.groups)
+    io = {**engine.optim.io_report(), "groups": groups}
+    offload = engine.offload_report()
+    state = engine.full_state_dict()
+    engine.close()
+    return losses, state, io, offload
+
+
+def _worker(rank: int, world: int) -> dict:
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    data = [(x.to(dev), y.to(dev)) for x, y in batches(rank, GAS * OPT_STEPS)]
+    torch.manual_seed(0)
+    init = TinyLM().to(dev)
+    out = {"ref": _reference(rank, copy.deepcopy(init), data)}
+    for stage in (1, 2, 3):
+        for precision in ("fp32", "bf16"):
+            out[(stage, precision)] = _offloaded(copy.deepcopy(init), data, stage, precision)
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_cpu_offload_on_cuda_matches_pytorch_and_copies_gradients_during_backward(world: int) -> None:
+    """World 1 on NCCL; world 2 as two ranks sharing cuda:0 over gloo (against DDP)."""
+    results = run_ranks(_worker, world, backend="nccl" if world == 1 else "gloo")
+    for rank, res in enumerate(results):
+        ref_losses, ref_state, _ = res["ref"]
+        for stage in (1, 2, 3):
+            for precision in ("fp32", "bf16"):
+                losses, state, io, offload = res[(stage, precision)]
+                what = f"rank {rank} world {world} stage {stage} {precision}: {io}"
+                print(what)
+                if precision == "fp32":  # CPU AdamW against the device's: last-bit differences only
+                    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-4, atol=1e-5, msg=what)
+                    for name in ref_state:
+                        torch.testing.assert_close(state[name].cpu(), ref_state[name].cpu(), rtol=1e-4, atol=1e-5,
+                                                   msg=f"{what} {name}")
+                else:
+                    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=3e-2, atol=3e-2, msg=what)
+                # Every trainable group's gradient shard went to the host during backward, once a step.
+                assert io["grad_copies_in_backward"] == io["groups"] * OPT_STEPS, what
+                assert io["grad_copies_in_step"] == 0, what
+                assert offload["cpu:write"] == io["bytes_to_host"] > 0, what
+                assert offload["cpu:read"] == io["bytes_to_device"] > 0, what
