@@ -373,8 +373,10 @@ def test_offload_devices_parse_and_what_cannot_work_is_refused():
     # DeepSpeed's deprecated spelling means the same.
     assert parse_deepspeed({"zero_optimization": {"stage": 2, "cpu_offload": True}}).offload_optimizer.device == "cpu"
     assert parse_deepspeed({"zero_optimization": {"cpu_offload": False}}).offload_optimizer == OffloadConfig()
-    with pytest.raises(ValueError, match=r"'zero_optimization\.offload_param\.device'.*'nvme' is not implemented"):
-        parse_deepspeed({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/nvme"}}})
+    cfg = parse_deepspeed({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/nvme"}}})
+    assert (cfg.offload_param.device, cfg.offload_param.nvme_path) == ("nvme", "/nvme")
+    with pytest.raises(ValueError, match=r"'zero_optimization\.offload_param\.device'.*'nvme' needs stage 3"):
+        parse_deepspeed({"zero_optimization": {"stage": 2, "offload_param": {"device": "nvme", "nvme_path": "/nvme"}}})
     with pytest.raises(ValueError, match=r"'zero_optimization\.offload_optimizer\.device'"):
         parse_deepspeed({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}})
     with pytest.raises(ValueError, match=r"'zero_optimization\.offload_param\.device'.*needs stage 3"):

@@ -342,7 +342,7 @@ def test_read_only_or_too_small_nvme_path_fails_before_any_work(tmp_path):
         ({"stage": 2, "offload_param": {"device": "cpu"}}, "offload_param.device", "'cpu' needs stage 3"),
         ({"stage": 0, "offload_optimizer": {"device": "cpu"}}, "offload_optimizer.device", "needs a sharded optimizer"),
         ({"stage": 1, "offload_optimizer": {"device": "nvme"}}, "offload_optimizer.nvme_path", "needs nvme_path"),
-        ({"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/x"}}, "offload_param.device", "not implemented"),
+        ({"stage": 2, "offload_param": {"device": "nvme", "nvme_path": "/x"}}, "offload_param.device", "'nvme' needs stage 3"),
         ({"stage": 1, "offload_optimizer": {"device": "cpu", "buffer_count": 0}}, "offload_optimizer.buffer_count", "positive"),
         ({"stage": 1, "sub_group_size": 0}, "sub_group_size", "positive number of elements"),
         ({"stage": 1, "offload_io": {"block_size": 1000}}, "offload_io.block_size", "multiple of 4096"),

@@ -131,6 +131,19 @@ def _add_estimate(sub: argparse._SubParsersAction) -> None:
         help="move optimizer states and master weights off the device (stages 1-3)",
     )
     p.add_argument(
+        "--offload-param",
+        choices=("none", "cpu", "nvme"),
+        default="none",
+        help="move the stage-3 parameter shards off the device (stage 3 only)",
+    )
+    p.add_argument(
+        "--largest-unit",
+        type=whole_count,
+        default=0,
+        help="elements of the largest stage-3 unit (e.g. 12*d*d for a transformer block): sizes the parameter "
+        "read buffers of --offload-param nvme (default 0: not counted)",
+    )
+    p.add_argument(
         "--optimizer-bytes",
         type=int_at_least(0),
         default=None,
@@ -159,18 +172,20 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         result = estimate(
             args.params, args.world_size, args.stage, args.precision, args.offload, args.optimizer_bytes,
             sub_group_size=args.sub_group_size, buffer_count=args.buffer_count,
+            offload_param=args.offload_param, largest_unit=args.largest_unit, param_buffer_count=args.buffer_count,
         )
     except ValueError as e:
         return _fail(str(e))
     per_stage = result if args.stage is None else {args.stage: result}
-    cols = ["params", "grads", "optimizer", "total"] + (["host", "nvme"] if args.offload != "none" else [])
+    offloads = args.offload != "none" or args.offload_param != "none"
+    cols = ["params", "grads", "optimizer", "total"] + (["host", "nvme"] if offloads else [])
     heads = {"total": "device total"}
     settings = ""
     if args.offload == "nvme":
         settings = f" (sub_group_size {args.sub_group_size:.4g}, buffer_count {args.buffer_count})"
     print(
         f"Model states per rank: {args.params:.4g} parameters, world size {args.world_size}, "
-        f"{args.precision}, offload {args.offload}{settings} (GiB)"
+        f"{args.precision}, offload {args.offload}{settings}, offload_param {args.offload_param} (GiB)"
     )
     widths = [max(12, len(heads.get(c, c))) for c in cols]
     print(f"{'stage':>5}  " + "  ".join(f"{heads.get(c, c):>{w}}" for c, w in zip(cols, widths)))

@@ -320,11 +320,6 @@ class ZeroConfig:
             )
         if par.device in ("cpu", "nvme") and self.stage != 3:
             yield "offload_param.device", f"{par.device!r} needs stage 3 (sharded parameters), got stage {self.stage!r}"
-        if par.device == "nvme":
-            yield "offload_param.device", (
-                "'nvme' is not implemented for parameters yet; use 'cpu' (and offload_optimizer.device='nvme' for "
-                "the optimizer states, which are most of the bytes)"
-            )
 
     # ------------------------------------------------------------------ batch sizes
     def resolve_batch(self, world_size: int) -> ZeroConfig:

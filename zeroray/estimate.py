@@ -25,6 +25,13 @@ masters and states off the device, which keeps its parameters and gradients; it 
   sub-groups)`` of them, each the largest sub-group's segments. No fp32 gradient copy persists
   (gradients are cast one sub-group at a time, as it is stepped).
 
+Parameter offload (``offload_param``, stage 3 only) takes the compute-dtype parameter shard off the
+device (``params`` becomes 0: the gathered units are working memory, like activations): ``cpu`` puts
+it in ``host``; ``nvme`` puts it in ``nvme`` (one file per flat group, each padded to 4 KiB: a few
+KiB more than ``p·Ψ/N``) and adds to ``host`` the buffers it is read through, ``buffer_count`` of
+them, each the largest flat group's shard: give ``largest_unit`` (elements of the largest stage-3
+unit, e.g. 12·d² for a transformer block, or the embedding's vocabulary × d) to count them.
+
 ``offloaded`` is ``host + nvme``. Not counted: model buffers, activations, the reduce buckets'
 temporaries and the step's transient fp32 copy of one sub-group's gradients.
 """
@@ -75,7 +82,8 @@ def swap_bytes(numel: int, segments: int, sub_group_size: int, buffer_count: int
 
 def _one_stage(
     numel: int, world_size: int, stage: int, p: int, g: int, k: int, offload: Offload, mixed: bool,
-    sub_group_size: int, buffer_count: int,
+    sub_group_size: int, buffer_count: int, offload_param: Offload = "none", largest_unit: int = 0,
+    param_buffer_count: int = BUFFER_COUNT,
 ) -> dict[str, int | str]:
     shard = shard_numel(numel, world_size)
     params = numel if stage < 3 else shard
@@ -91,6 +99,13 @@ def _one_stage(
             segments = 1 + math.ceil(state_bytes / _F32)  # the master and each state, in fp32
             host, nvme = swap_bytes(opt, segments, sub_group_size, buffer_count)
         out["optimizer"] = 0
+    if offload_param == "cpu":
+        host += out["params"]
+    elif offload_param == "nvme":
+        nvme += aligned(out["params"])
+        host += max(2, param_buffer_count) * aligned(p * shard_numel(largest_unit, world_size)) if largest_unit else 0
+    if offload_param != "none":
+        out["params"] = 0
     out["total"] = out["params"] + out["grads"] + out["optimizer"]
     out["host"], out["nvme"] = host, nvme
     out["offloaded"] = host + nvme
@@ -108,6 +123,9 @@ def estimate(
     reduce_dtype: Precision | None = None,
     sub_group_size: int = SUB_GROUP_SIZE,
     buffer_count: int = BUFFER_COUNT,
+    offload_param: Offload = "none",
+    largest_unit: int = 0,
+    param_buffer_count: int = BUFFER_COUNT,
 ) -> dict:
     """Per-rank model-state bytes, so a run can be sized before it is launched.
 
@@ -118,7 +136,8 @@ def estimate(
     ``optimizer_bytes`` overrides K (e.g. 4 for SGD with momentum in fp32). ``reduce_dtype``: the
     gradients' precision when it differs from the parameters' (``PrecisionPolicy.reduce_dtype``).
     ``sub_group_size`` and ``buffer_count``: the NVMe offload settings (ZeroConfig's keys and
-    defaults), which size the swap buffers in host memory.
+    defaults), which size the swap buffers in host memory. ``offload_param`` (stage 3), with
+    ``largest_unit`` and ``param_buffer_count`` for its NVMe read buffers: see the module docstring.
     """
     numel = round(params)
     if numel < 1:
@@ -134,6 +153,12 @@ def estimate(
     if reduce_dtype is not None:
         g = precision_bytes(reduce_dtype)[0]
     stages = STAGES if offload == "none" else OFFLOAD_STAGES
+    if offload_param not in ("none", "cpu", "nvme"):
+        raise ValueError(f"offload_param must be 'none', 'cpu' or 'nvme', got {offload_param!r}")
+    if offload_param != "none":
+        if stage not in (None, 3):
+            raise ValueError(f"offload_param {offload_param!r} needs stage 3 (sharded parameters), got stage {stage}")
+        stages = (3,)
     if stage is not None and stage not in stages:
         if stage == 0:
             raise ValueError(
@@ -141,7 +166,8 @@ def estimate(
             )
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
     args = (numel, world_size)
-    rest = (p, g, k, offload, precision != "fp32", sub_group_size, buffer_count)
+    rest = (p, g, k, offload, precision != "fp32", sub_group_size, buffer_count, offload_param, largest_unit,
+            param_buffer_count)
     if stage is None:
         return {s: _one_stage(*args, s, *rest) for s in stages}
     return _one_stage(*args, stage, *rest)

@@ -34,6 +34,7 @@ from zeroray.engine.loss_scaler import LossScaler
 from zeroray.engine.materialize import InitFn, MetaInit, compute_device, meta_tensor_ids
 from zeroray.engine.offload import NvmeHome, ResidentHome, StateHome, expected_state_count
 from zeroray.engine.param_guard import ParamGuard
+from zeroray.engine.param_swap import ParamFiles
 from zeroray.engine.phase_timer import PhaseTimer, StepTimes
 from zeroray.engine.reducer import GradReducer
 from zeroray.engine.schedule import UnitScheduler
@@ -114,12 +115,17 @@ class ZeroEngine:
         group_of = param_group_index(model, template)
         if lr_scheduler is not None and not callable(lr_scheduler):
             raise TypeError("lr_scheduler must be a callable optimizer -> scheduler")
-        if config.offload_optimizer.device == "nvme":  # a bad nvme_path fails here, before any work
-            check_nvme_path(
-                config.offload_optimizer.nvme_path,
-                "offload_optimizer.nvme_path",
-                _swap_bytes(model, template, world, config.sub_group_size),
-            )
+        # A bad nvme_path fails here, before any work; one path for both counts both.
+        need: dict[str, int] = {}
+        if config.offload_param.device == "nvme":
+            need[config.offload_param.nvme_path] = _param_swap_bytes(model, world, config.precision.param_dtype)
+        if config.offload_optimizer.device == "nvme":
+            path = config.offload_optimizer.nvme_path
+            need[path] = need.get(path, 0) + _swap_bytes(model, template, world, config.sub_group_size)
+        for field in ("offload_optimizer", "offload_param"):
+            block = getattr(config, field)
+            if block.device == "nvme":
+                check_nvme_path(block.nvme_path, f"{field}.nvme_path", need[block.nvme_path])
 
         self.module = model
         self.stage = config.stage
@@ -144,7 +150,10 @@ class ZeroEngine:
         self._master_device: torch.device | None = {
             "none": self.device, "cpu": self.host_device, "nvme": None
         }[offload.device]
-        self._shard_device = self.host_device if config.offload_param.device == "cpu" else self.device
+        # Where a stage-3 compute shard lives between gathers: host memory under parameter offload (NVMe:
+        # only at set-up, then in a file, see ParamFiles).
+        self._shard_device = self.host_device if config.offload_param.device in ("cpu", "nvme") else self.device
+        self._param_files: ParamFiles | None = None
 
         # ---- layout (stages 0-2: a meta model is first materialized whole, the same on every rank)
         if meta_init is not None and not sharding.shards_params:
@@ -207,6 +216,8 @@ class ZeroEngine:
             home.close()  # e.g. a full disk while writing the swap files: nothing is left behind
             raise
         self.optimizer = self.optim.optimizer
+        if config.offload_param.device == "nvme":
+            self._park_params()
         self._template_hook = refuse_direct_step(template)  # the user's optimizer would step nothing
         if lr_scheduler is not None:
             self.lr_scheduler = lr_scheduler(self.optimizer)
@@ -224,7 +235,8 @@ class ZeroEngine:
         if sharding.shards_params:
             root = Unit("root", model, unit_groups.get(None, []), root=True)
             units = [Unit(name, m, unit_groups.get(i, [])) for i, (name, m) in enumerate(self.units)]
-            self.scheduler = UnitScheduler(model, root, units, config.comm.prefetch_bucket_size)
+            read_ahead = self._param_files.read_ahead if self._param_files is not None else None
+            self.scheduler = UnitScheduler(model, root, units, config.comm.prefetch_bucket_size, read_ahead)
             units = [root, *units]
             self._guard = ParamGuard(model, self.groups, {g: u.name for u in units for g in u.groups})
         self.reducer = GradReducer(
@@ -251,8 +263,23 @@ class ZeroEngine:
             master_device=self._master_device or self.host_device,
             shard_device=self._shard_device,
             keep_master=self._master_device is not None,
+            own_master=self.config.offload_param.device == "nvme",
             pin_memory=self.config.offload_optimizer.pin_memory or self.config.offload_param.pin_memory,
         )
+
+    def _park_params(self) -> None:
+        """offload_param "nvme": write every compute shard to its file and drop it from memory."""
+        par, io = self.config.offload_param, self.config.offload_io
+        files = ParamFiles(SwapDir(par.nvme_path, self.rank, io.queue_depth, io.direct_io, io.block_size), par.buffer_count)
+        try:
+            files.attach(self.groups)
+        except BaseException:
+            files.close()
+            self.optim.close()
+            raise
+        for g in self.groups:
+            g.park(files)
+        self._param_files = files
 
     def _state_home(self, template: torch.optim.Optimizer) -> StateHome:
         """Where the optimizer's masters and states live (the one place that decides)."""
@@ -437,7 +464,7 @@ class ZeroEngine:
                 mine = tensors[g.name]
                 weight = mine["weight"].reshape(-1)
                 if not g.trainable:
-                    g.shard.copy_(weight)
+                    g.write_shard(0, g.shard_numel, weight)
                     continue
                 gi = g.param_group
                 states = {k: v.reshape(-1) for k, v in mine.items() if k != "weight"}
@@ -484,6 +511,9 @@ class ZeroEngine:
         # Offload: bytes kept off the device, in host memory and in swap files (not in "total").
         report["host"] = opt["host"] + (0 if on_device else params)
         report["nvme"] = opt["nvme"]
+        if self._param_files is not None:  # parked shards: their files and the buffers they go through
+            report["host"] += self._param_files.host_bytes()
+            report["nvme"] += self._param_files.file_bytes()
         return report
 
     def phase_report(self) -> StepTimes:
@@ -498,12 +528,14 @@ class ZeroEngine:
         ``"cpu:write"`` / ``"cpu:read"``, gradients copied to host memory and updated weights copied back
         (CPU offload on an accelerator). Empty without offload, and with CPU offload on a CPU-only machine
         (host memory is the device: nothing moves)."""
-        io = self.optim.io_report()
-        if "bytes_read" in io:
-            return {"nvme:read": int(io["bytes_read"]), "nvme:write": int(io["bytes_written"])}
-        if "bytes_to_host" in io:
-            return {"cpu:write": int(io["bytes_to_host"]), "cpu:read": int(io["bytes_to_device"])}
-        return {}
+        out: dict[str, int] = {}
+        for io in (self.optim.io_report(), self._param_files.io_report() if self._param_files else {}):
+            if "bytes_read" in io:
+                out["nvme:read"] = out.get("nvme:read", 0) + int(io["bytes_read"])
+                out["nvme:write"] = out.get("nvme:write", 0) + int(io["bytes_written"])
+            if "bytes_to_host" in io:
+                out.update({"cpu:write": int(io["bytes_to_host"]), "cpu:read": int(io["bytes_to_device"])})
+        return out
 
     def comm_report(self) -> dict[str, int]:
         """Cumulative bytes per collective kind since set-up or the last reset."""
@@ -584,10 +616,22 @@ class ZeroEngine:
         if self._guard is not None:
             self._guard.remove()
         self._template_hook.remove()
-        self.optim.close()
+        try:
+            self.optim.close()
+        finally:
+            if self._param_files is not None:
+                self._param_files.close()
         for m in self.module.modules():
             if _HELD.get(m) is self:
                 del _HELD[m]
+
+
+def _param_swap_bytes(model: nn.Module, world: int, param_dtype: str) -> int:
+    """An upper bound of this rank's parameter swap bytes (offload_param "nvme"): its share of every
+    parameter in the compute dtype, with the 4 KiB padding of every group."""
+    params = list({id(p): p for p in model.parameters()}.values())
+    mine = -(-sum(p.numel() for p in params) // world) + world
+    return _DTYPES[param_dtype].itemsize * mine + 4096 * len(params)
 
 
 def _swap_bytes(model: nn.Module, template: torch.optim.Optimizer, world: int, sub_group_size: int) -> int:

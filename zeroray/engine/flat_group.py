@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from enum import Enum
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -36,6 +37,9 @@ from zeroray.config import Sharding
 from zeroray.engine import layout
 from zeroray.engine.comm import Comm, Handle
 from zeroray.engine.grad_buffer import GradBuffer
+
+if TYPE_CHECKING:
+    from zeroray.engine.param_swap import ParamFiles
 
 
 class ParamState(Enum):
@@ -101,6 +105,7 @@ class FlatGroup:
             self.full = full
             self.state = ParamState.GATHERED
         self._gather: Handle | None = None
+        self.files: ParamFiles | None = None  # offload_param "nvme": the shard lives in a file (park())
         # One element every freed parameter of this group points at (see _free_storage).
         self._placeholder = torch.empty(1, dtype=compute_dtype, device=device)
 
@@ -129,6 +134,7 @@ class FlatGroup:
         shard_device: torch.device | None = None,
         *,
         keep_master: bool = True,
+        own_master: bool = False,
         pin_memory: bool = False,
     ) -> None:
         """Point the parameters at ``full``, cut this rank's shard, make master and grad buffers.
@@ -136,7 +142,8 @@ class FlatGroup:
         ``master_device``: where the fp32 master lives (host memory under CPU offload; default the
         device); ``keep_master=False`` when the optimizer keeps it elsewhere (NVMe files).
         ``shard_device``: where a sharded compute shard lives between gathers (host memory under
-        parameter offload; default the device). ``pin_memory``: host copies of a CUDA group are
+        parameter offload; default the device). ``own_master``: never let the master be the shard
+        itself (the shard will be parked in a file). ``pin_memory``: host copies of a CUDA group are
         page-locked (faster, asynchronous copies)."""
         pin = pin_memory and self.device.type == "cuda"
         master_device = self.device if master_device is None else master_device
@@ -161,7 +168,7 @@ class FlatGroup:
             # Plain fp32 without a copy updates the compute shard in place; other cases keep an fp32 copy.
             if not keep_master:
                 self.master = None
-            elif master_dtype == self.compute_dtype and master_device == self.shard.device:
+            elif master_dtype == self.compute_dtype and master_device == self.shard.device and not own_master:
                 self.master = self.shard
             else:
                 self.master = self.shard.to(device=master_device, dtype=master_dtype, copy=True)
@@ -175,6 +182,24 @@ class FlatGroup:
                 self.grad_shard = torch.zeros(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
         if self.sharding.shards_params:
             self._free_storage()
+
+    def park(self, files: ParamFiles) -> None:
+        """offload_param "nvme": ``files`` holds this group's shard from now on (it wrote it at its
+        attach); the in-memory shard keeps its shape over no storage, so a stray read fails loudly."""
+        self.files = files
+        self.shard = torch.empty(self.shard_numel, dtype=self.compute_dtype, device=self.shard.device)
+        self.shard.untyped_storage().resize_(0)
+
+    def write_shard(self, lo: int, hi: int, values: torch.Tensor, non_blocking: bool = False) -> None:
+        """Set the compute shard's ``[lo, hi)`` to ``values`` (cast), in memory or in its file."""
+        if self.files is not None:
+            self.files.write(self, lo, hi, values)
+        else:
+            self.shard[lo:hi].copy_(values, non_blocking=non_blocking)
+
+    def shard_values(self) -> torch.Tensor:
+        """The compute shard's values: the live tensor, or a fresh copy read from its file."""
+        return self.shard if self.files is None else self.files.values(self)
 
     def _point_params_at_full(self) -> None:
         for slot, p in zip(self.slots, self.params):
@@ -195,8 +220,13 @@ class FlatGroup:
         if self.state is not ParamState.FREED:
             return
         self.full.untyped_storage().resize_(self.padded * self.full.element_size())
-        # An offloaded shard comes to the device first (on a CPU-only machine it is there already).
-        shard = self.shard if self.shard.device == self.device else self.shard.to(self.device, non_blocking=True)
+        if self.files is not None:  # read (usually ahead already) straight into my slice of full
+            shard = self.full[self.lo : self.hi]
+            self.files.fill(self, shard)
+        elif self.shard.device == self.device:
+            shard = self.shard
+        else:  # an offloaded shard comes to the device first (on a CPU-only machine it is there already)
+            shard = self.shard.to(self.device, non_blocking=True)
         self._gather = self.comm.all_gather(self.full, shard, async_op=True)
         self.state = ParamState.GATHERING
 
@@ -221,6 +251,8 @@ class FlatGroup:
         """Gather and stop sharding the parameters for good (the engine is closing)."""
         self.wait_gather()
         self.sharding = Sharding(self.sharding.shards_optimizer, self.sharding.shards_grads, shards_params=False)
+        if self.files is not None:  # the file goes with the engine; full holds the values now
+            self.shard, self.files = self.full[self.lo : self.hi], None
 
     # ------------------------------------------------------------------ gradients
     def open_grads(self) -> GradBuffer | None:
@@ -271,7 +303,7 @@ class FlatGroup:
         """Cast the updated master shard into the compute shard (unless ``cast`` is False: done
         already) and share it with the other ranks."""
         if cast and self.master is not None and self.master is not self.shard:
-            self.shard.copy_(self.master)
+            self.write_shard(0, self.shard_numel, self.master)
         if self.sharding.shards_optimizer and not self.sharding.shards_params:
             return self.comm.all_gather(self.full, self.shard, async_op=True)
         return Handle()
@@ -287,15 +319,17 @@ class FlatGroup:
                 changed = mine_there != self.master.to(self.compute_dtype)
                 self.master.copy_(torch.where(changed, mine_there.to(self.master.dtype), self.master))
             if self.sharding.shards_params:  # else the shard is a view of full
-                self.shard.copy_(mine)
+                self.write_shard(0, self.shard_numel, mine)
 
     def master_or_shard_fp32(self) -> torch.Tensor:
         """This rank's fp32 slice of the group's weights (frozen groups: cast of the shard)."""
-        src = self.master if self.master is not None else self.shard
+        src = self.master if self.master is not None else self.shard_values()
         return src if src.dtype == torch.float32 else src.float()
 
     # ------------------------------------------------------------------ accounting
     def param_bytes(self) -> int:
+        if self.files is not None:
+            return 0  # in its file; the buffers it goes through belong to the ParamFiles
         t = self.shard if self.sharding.shards_params else self.full
         return t.numel() * t.element_size()
 

@@ -188,9 +188,9 @@ class ResidentHome(StateHome):
         if not self.publishes_shards:
             return
         for piece in sub.pieces:  # pinned: cast on the device, and the host goes on stepping the next sub-group
-            shard = piece.group.shard[piece.lo : piece.hi]
-            shard.copy_(piece.param.data, non_blocking=self.pin)
-            self._io["bytes_to_device"] += shard.nbytes
+            g = piece.group
+            g.write_shard(piece.lo, piece.hi, piece.param.data, non_blocking=self.pin)
+            self._io["bytes_to_device"] += piece.numel * g.shard.element_size()
         if self.pin:
             self._published = torch.cuda.Event()
             self._published.record(torch.cuda.current_stream(self.compute_device))
@@ -295,7 +295,7 @@ class NvmeHome(StateHome):
             buf = self._bufs[b]
             for piece in sub.pieces:
                 _, off = self._offsets[id(piece.param)]
-                buf.tensor[off : off + piece.numel].copy_(piece.group.shard[piece.lo : piece.hi])
+                buf.tensor[off : off + piece.numel].copy_(piece.group.shard_values()[piece.lo : piece.hi])
             self._writes[b] = self.swap.write(self._name(sub.index), buf, self._seg_bytes[sub.index])
         self._drain()
 
@@ -419,7 +419,7 @@ class NvmeHome(StateHome):
 
     def publish(self, sub: SubGroup) -> None:
         for piece in sub.pieces:
-            piece.group.shard[piece.lo : piece.hi].copy_(piece.param.data)
+            piece.group.write_shard(piece.lo, piece.hi, piece.param.data)
 
     # ------------------------------------------------------------------ state outside the step
     def _read_whole(self, i: int) -> AlignedBuffer:

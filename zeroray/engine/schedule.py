@@ -16,7 +16,7 @@ Hooks on the user's modules (removed by ``remove()``; nothing is patched):
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import partial
 from typing import Any
 
@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from zeroray.engine.flat_group import FlatGroup, ParamState
 from zeroray.engine.unit import Unit
 
 
@@ -43,8 +44,16 @@ def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
 
 
 class UnitScheduler:
-    def __init__(self, model: nn.Module, root: Unit, units: Sequence[Unit], prefetch_numel: int):
+    def __init__(
+        self,
+        model: nn.Module,
+        root: Unit,
+        units: Sequence[Unit],
+        prefetch_numel: int,
+        read_ahead: Callable[[Iterable[FlatGroup]], None] | None = None,
+    ):
         self.root = root
+        self.read_ahead = read_ahead
         self.units = list(units)
         self.prefetch_numel = prefetch_numel
         self.order: list[Unit] = list(self.units)  # unit order of the last forward
@@ -71,10 +80,17 @@ class UnitScheduler:
                 break
             unit.prefetch()
             budget -= unit.numel
+        self._read_ahead(order[start:])
+
+    def _read_ahead(self, units: Sequence[Unit]) -> None:
+        """Parameters in files: start reading the freed groups of ``units``, in this order."""
+        if self.read_ahead is not None:
+            self.read_ahead(g for u in units for g in u.groups if g.state is ParamState.FREED)
 
     # ------------------------------------------------------------------ forward
     def _root_pre(self, module: nn.Module, args: Any) -> None:
         self._fwd = []
+        self._read_ahead([self.root, *self.order])
         self.root.pre_forward()
 
     def _pre_forward(self, unit: Unit, module: nn.Module, args: Any) -> None:
@@ -102,6 +118,7 @@ class UnitScheduler:
         self.root.expect_backward()
         self._bwd_order = list(reversed(self.order))
         self._bwd_pos = 0
+        self._read_ahead(self._bwd_order)
         self.root.post_forward(torch.is_grad_enabled() and any(t.requires_grad for t in tensors_in(output)))
 
     # ------------------------------------------------------------------ backward

@@ -301,7 +301,7 @@ class ShardedOptimizer:
             part = {k: v[piece.lo : piece.hi] for k, v in states.items()}
             self.home.load(piece, weight[piece.lo : piece.hi], part, scalars, self.optimizer)
         if g.master is None:  # kept in files: the compute shard takes the values now
-            g.shard.copy_(weight)
+            g.write_shard(0, g.shard_numel, weight)
 
     def set_master(self, g: FlatGroup, values: torch.Tensor) -> None:
         """Overwrite ``g``'s master with ``values`` (its optimizer states stay)."""
