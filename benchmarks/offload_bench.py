@@ -12,7 +12,8 @@ with and without offload, and a model whose model states do not fit in memory, t
 - steps: a ~100M-parameter GPT at world 2, stage 3, fp32 AdamW: median step time without offload,
   with CPU offload and with NVMe offload (one run, ratios);
 - big: a 1.8B-parameter GPT (bf16 parameters, fp32 AdamW: 16 bytes of model states per parameter,
-  ~28.6 GB, more than this machine's 24 GiB) at world 2, stage 3, NVMe offload of the optimizer:
+  ~28.6 GB, more than this machine's 24 GiB) at world 2, stage 3, NVMe offload of the optimizer and
+  of the parameters (ZeRO-Infinity):
   loss over a few steps on one repeated batch, peak RSS per rank, step time split into compute and
   I/O wait, bytes moved per step and the disk bandwidth achieved against fio; plus what
   ``zeroray estimate`` says DDP, FSDP2 (= stage 3 without offload) would need.
@@ -170,17 +171,19 @@ def _rank(rank: int, world: int, port: int, spec: dict, out: str) -> None:
         x, y = _batch(cfg, spec, rank)
         steps = []
         for _ in range(spec["steps"]):
-            io0 = engine.optim.io_report()
+            io0 = engine.offload_io()
             t0 = time.perf_counter()
             _, loss = engine(x, y)
             engine.backward(loss)
             t1 = time.perf_counter()
             engine.step()
             t2 = time.perf_counter()
-            io1 = engine.optim.io_report()
+            io1 = engine.offload_io()
+            opt, par = io1["optimizer"], io1["params"]
             steps.append({
                 "loss": loss.item(), "step_s": t2 - t0, "fwd_bwd_s": t1 - t0, "optimizer_s": t2 - t1,
-                **{k: io1[k] - io0.get(k, 0) for k in io1 if k != "direct_io"},
+                **{k: opt[k] - io0["optimizer"].get(k, 0) for k in opt if k != "direct_io"},
+                **{f"param_{k}": par[k] - io0["params"].get(k, 0) for k in par},
             })
         mem = engine.memory_report()
         io = engine.optim.io_report()
@@ -292,13 +295,19 @@ def big(nvme_path: str, steps: int = 3) -> dict[str, Any]:
     n = cfg.num_params()
     zero = {"bf16": {"enabled": True}, "zero_optimization": {
         "stage": 3, "sub_group_size": 30_000_000,
-        "offload_optimizer": {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 3}}}
+        "offload_optimizer": {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 3},
+        "offload_param": {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 3}}}
     from zeroray.estimate import estimate
 
+    d = cfg.n_embd
+    largest = max(12 * d * d + 13 * d, cfg.vocab_size * d + cfg.block_size * d + 2 * d)  # a block, or the root
     est = {
         f"{name}": {k: v / GB for k, v in estimate(n, world_size=2, stage=stage, precision="bf16", offload=off,
-                                                     sub_group_size=30_000_000, buffer_count=3).items() if isinstance(v, (int, float))}
-        for name, stage, off in (("DDP (stage 0)", 0, "none"), ("FSDP2 / stage 3, no offload", 3, "none"), ("stage 3 + nvme", 3, "nvme"))
+                                                     sub_group_size=30_000_000, buffer_count=3, offload_param=par,
+                                                     largest_unit=largest).items() if isinstance(v, (int, float))}
+        for name, stage, off, par in (("DDP (stage 0)", 0, "none", "none"), ("FSDP2 / stage 3, no offload", 3, "none", "none"),
+                                      ("stage 3 + nvme optimizer", 3, "nvme", "none"),
+                                      ("stage 3 + nvme optimizer and parameters", 3, "nvme", "nvme"))
     }
     res = train({"model": model, "zero": zero, "lr": 1e-4, "batch": [1, 32], "steps": steps})
     out: dict[str, Any] = {"params": n, "model_states_GB": 16 * n / GB, "estimate_GB_per_rank_world2": est, "ranks": []}
@@ -344,17 +353,22 @@ def markdown(res: dict) -> str:
         lines.append("")
     if "big" in res:
         b = res["big"]
-        lines += [f"## {b['params'] / 1e9:.2f}B-parameter GPT, stage 3 + NVMe optimizer offload, world 2, bf16, batch 1x32", "",
+        lines += [f"## {b['params'] / 1e9:.2f}B-parameter GPT, stage 3 + NVMe offload of optimizer and parameters, world 2, bf16, "
+                  "batch 1x32", "",
                   f"Model states: {b['model_states_GB']:.1f} GB (16 B/param), more than the machine's 24 GiB (25.8 GB).", "",
                   "`zeroray estimate` per rank at world 2 (GB on the device / offloaded):", ""]
         for k, v in b["estimate_GB_per_rank_world2"].items():
             lines.append(f"- {k}: {v['total']:.1f} / {v['offloaded']:.1f}")
-        lines += ["", "| rank | step | loss | step s | fwd+bwd s | optimizer s | read wait s | write wait s | GB read | GB written |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+        lines += ["", "| rank | step | loss | step s | fwd+bwd s | optimizer s | read wait s | write wait s | GB read | GB written "
+                  "| param read wait s | param GB read | param GB written | gathers read ahead / on demand |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r, rk in enumerate(b["ranks"]):
             for i, st in enumerate(rk["steps"]):
                 lines.append(f"| {r} | {i} | {st['loss']:.4f} | {st['step_s']:.1f} | {st['fwd_bwd_s']:.1f} | {st['optimizer_s']:.1f} | "
-                             f"{st['read_wait_s']:.1f} | {st['write_wait_s']:.1f} | {st['bytes_read'] / GB:.1f} | {st['bytes_written'] / GB:.1f} |")
+                             f"{st['read_wait_s']:.1f} | {st['write_wait_s']:.1f} | {st['bytes_read'] / GB:.1f} | {st['bytes_written'] / GB:.1f} | "
+                             f"{st.get('param_read_wait_s', 0):.1f} | {st.get('param_bytes_read', 0) / GB:.2f} | "
+                             f"{st.get('param_bytes_written', 0) / GB:.2f} | "
+                             f"{st.get('param_reads_ahead_used', 0):.0f} / {st.get('param_reads_on_demand', 0):.0f} |")
         lines.append("")
         for r, rk in enumerate(b["ranks"]):
             lines.append(f"- rank {r}: peak RSS {rk['peak_rss_GB']:.2f} GB, set-up {rk['setup_s']:.0f} s, O_DIRECT {bool(rk['direct_io'])}, "

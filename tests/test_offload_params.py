@@ -73,7 +73,7 @@ def test_read_ahead_serves_the_gathers_and_the_counts_add_up(tmp_path):
     for x, y in batches(0, steps * GAS):
         engine.backward(engine(x, y))
         engine.step()
-    io = engine._param_files.io_report()
+    io = engine.offload_io()["params"]
     units = engine.scheduler.units
     # Per micro-step: every group gathered for forward, and every unit's groups again for backward.
     gathers = steps * GAS * (len(engine.groups) + sum(len(u.groups) for u in units))

@@ -537,6 +537,13 @@ class ZeroEngine:
                 out.update({"cpu:write": int(io["bytes_to_host"]), "cpu:read": int(io["bytes_to_device"])})
         return out
 
+    def offload_io(self) -> dict[str, dict[str, float]]:
+        """Offload traffic in detail, cumulative: ``"optimizer"`` (swap files: bytes and the seconds the
+        step waited; CPU offload on an accelerator: copies each way, gradient copies started during
+        backward or left to the step) and ``"params"`` (parameter files: bytes, read wait, gathers served
+        by read-ahead or on demand); empty dicts where nothing is offloaded."""
+        return {"optimizer": self.optim.io_report(), "params": self._param_files.io_report() if self._param_files else {}}
+
     def comm_report(self) -> dict[str, int]:
         """Cumulative bytes per collective kind since set-up or the last reset."""
         return self.comm.report()
