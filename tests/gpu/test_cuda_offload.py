@@ -84,3 +84,46 @@ def test_cpu_offload_on_cuda_matches_pytorch_and_copies_gradients_during_backwar
                 assert io["grad_copies_in_step"] == 0, what
                 assert offload["cpu:write"] == io["bytes_to_host"] > 0, what
                 assert offload["cpu:read"] == io["bytes_to_device"] > 0, what
+
+
+def _params_in_files(rank: int, world: int, path: str) -> dict:
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    data = [(x.to(dev), y.to(dev)) for x, y in batches(rank, GAS * OPT_STEPS)]
+    torch.manual_seed(0)
+    init = TinyLM().to(dev)
+    out = {}
+    for precision in ("fp32", "bf16"):
+        for name, extra in {
+            "none": {},
+            "params": {"offload_param": {"device": "nvme", "nvme_path": path}},
+            "params+nvme": {"offload_param": {"device": "nvme", "nvme_path": path},
+                            "offload_optimizer": {"device": "nvme", "nvme_path": path}},
+        }.items():
+            model = copy.deepcopy(init)
+            cfg = zeroray.ZeroConfig(stage=3, precision=precision, gradient_accumulation_steps=GAS, gradient_clipping=CLIP,
+                                     sub_group_size=3000, comm={"reduce_bucket_size": 500}, **extra)
+            engine = zeroray.initialize(model, torch.optim.AdamW(param_groups(model), lr=LR), cfg)
+            losses = []
+            for x, y in data:
+                loss = engine(x, y)
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+            out[(precision, name)] = (losses, engine.full_state_dict(), engine.memory_report())
+            engine.close()
+    return out
+
+
+def test_parameters_in_nvme_files_on_cuda_are_bitwise_equal_to_no_offload(tmp_path) -> None:
+    """Stage 3 on NCCL with the parameter shards in files (read into the gathered device buffer): the
+    optimizer runs where it does without offload, so the bits must not change."""
+    (res,) = run_ranks(_params_in_files, 1, str(tmp_path), backend="nccl")
+    for (precision, name), (losses, state, mem) in res.items():
+        ref_losses, ref_state, _ = res[(precision, "none")]
+        assert losses == ref_losses, (precision, name)
+        for k in ref_state:
+            assert torch.equal(state[k], ref_state[k]), (precision, name, k)
+        if name != "none":
+            assert mem["params"] == 0 and mem["nvme"] > 0, mem
