@@ -98,6 +98,7 @@ def _params_in_files(rank: int, world: int, path: str) -> dict:
         for name, extra in {
             "none": {},
             "params": {"offload_param": {"device": "nvme", "nvme_path": path}},
+            "nvme": {"offload_optimizer": {"device": "nvme", "nvme_path": path}},
             "params+nvme": {"offload_param": {"device": "nvme", "nvme_path": path},
                             "offload_optimizer": {"device": "nvme", "nvme_path": path}},
         }.items():
@@ -117,13 +118,14 @@ def _params_in_files(rank: int, world: int, path: str) -> dict:
 
 
 def test_parameters_in_nvme_files_on_cuda_are_bitwise_equal_to_no_offload(tmp_path) -> None:
-    """Stage 3 on NCCL with the parameter shards in files (read into the gathered device buffer): the
-    optimizer runs where it does without offload, so the bits must not change."""
+    """Stage 3 on NCCL with the parameter shards in files (read into the gathered device buffer), against
+    the same run with them on the device: the optimizer runs in the same place (the device, or the CPU
+    with its states in files), so the bits must not change."""
     (res,) = run_ranks(_params_in_files, 1, str(tmp_path), backend="nccl")
     for (precision, name), (losses, state, mem) in res.items():
-        ref_losses, ref_state, _ = res[(precision, "none")]
+        ref_losses, ref_state, _ = res[(precision, "nvme" if name == "params+nvme" else "none")]
         assert losses == ref_losses, (precision, name)
         for k in ref_state:
             assert torch.equal(state[k], ref_state[k]), (precision, name, k)
-        if name != "none":
+        if name.startswith("params"):
             assert mem["params"] == 0 and mem["nvme"] > 0, mem
