@@ -1,12 +1,13 @@
 """ZeRO-Offload / ZeRO-Infinity on this machine: the disk, the swap I/O, the CPU Adam step, step time
 with and without offload, and a model whose model states do not fit in memory, trained end to end.
 
-    python benchmarks/offload_bench.py [--parts fio,io,adam,steps,big] [--nvme-path DIR]
+    python benchmarks/offload_bench.py [--parts fio,io,qd,adam,steps,big] [--nvme-path DIR]
 
 - fio: sequential O_DIRECT read and write bandwidth of the disk under ``--nvme-path`` at the swap's
   block size (8 MiB) and queue depth (4, libaio) (``fio``, from apt), the ceiling for the swap;
 - io: zeroray's swap files (``zeroray.engine.swap``) written and read back through its thread pool,
   O_DIRECT against buffered I/O with ``posix_fadvise(DONTNEED)``, the same bytes as fio;
+- qd: the swap and fio at queue depths 1-32 (the measurement behind ``offload_io.queue_depth``);
 - adam: ``torch.optim.AdamW`` (for-loop, foreach, fused) on one 50M-element fp32 shard, one thread,
   against the memory bandwidth of a large copy (an Adam step moves about 28 bytes per element);
 - steps: a ~100M-parameter GPT at world 2, stage 3, fp32 AdamW: median step time without offload,
@@ -63,8 +64,8 @@ def _batch(cfg, spec: dict, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 # ------------------------------------------------------------------------------ disk
 
-def fio(path: str, size_gb: float) -> dict[str, float]:
-    """fio's sequential O_DIRECT bandwidth (GB/s) at the swap's block size and queue depth."""
+def fio(path: str, size_gb: float, iodepth: int = 4) -> dict[str, float]:
+    """fio's sequential O_DIRECT bandwidth (GB/s) at the swap's block size and ``iodepth``."""
     if shutil.which("fio") is None:
         return {"error": "fio not installed (apt-get install fio)"}
     out = {}
@@ -73,7 +74,7 @@ def fio(path: str, size_gb: float) -> dict[str, float]:
         for rw in ("write", "read"):
             res = subprocess.run(
                 ["fio", "--name=swap", f"--filename={target}", f"--rw={rw}", f"--bs={BLOCK}", "--direct=1",
-                 "--ioengine=libaio", "--iodepth=4", f"--size={int(size_gb * GB)}", "--output-format=json"],
+                 "--ioengine=libaio", f"--iodepth={iodepth}", f"--size={int(size_gb * GB)}", "--output-format=json"],
                 capture_output=True, text=True, check=True,
             )
             job = json.loads(res.stdout)["jobs"][0][rw]
@@ -109,6 +110,13 @@ def swap_io(path: str, size_gb: float, direct: bool, queue_depth: int = 4) -> di
         return {"direct": swap.direct, "write_GBps": n * per_file / t_write / GB, "read_GBps": n * per_file / t_read / GB}
     finally:
         swap.close()
+
+
+def queue_depths(path: str, size_gb: float, depths: tuple[int, ...] = (1, 2, 4, 8, 16, 32)) -> dict[str, Any]:
+    """zeroray's O_DIRECT swap and fio at each queue depth (threads of the pool; fio's libaio iodepth):
+    the measurement behind ``offload_io.queue_depth``'s default."""
+    return {str(qd): {"swap": swap_io(path, size_gb, direct=True, queue_depth=qd), "fio": fio(path, size_gb, qd)}
+            for qd in depths}
 
 
 # ------------------------------------------------------------------------------ Adam on the CPU
@@ -330,6 +338,13 @@ def markdown(res: dict) -> str:
                 r = res[k]
                 lines.append(f"| zeroray swap, {'O_DIRECT' if r['direct'] else 'buffered + DONTNEED'} | {r['write_GBps']:.2f} | {r['read_GBps']:.2f} |")
         lines.append("")
+    if "qd" in res:
+        lines += ["## Queue depth (O_DIRECT, 8 MiB requests)", "",
+                  "| queue depth | swap write GB/s | swap read GB/s | fio write GB/s | fio read GB/s |", "|---|---|---|---|---|"]
+        for qd, r in res["qd"].items():
+            lines.append(f"| {qd} | {r['swap']['write_GBps']:.2f} | {r['swap']['read_GBps']:.2f} | "
+                         f"{r['fio'].get('write_GBps', 0):.2f} | {r['fio'].get('read_GBps', 0):.2f} |")
+        lines.append("")
     if "adam" in res:
         a = res["adam"]
         lines += ["## AdamW on one CPU thread (50M fp32 elements)", "",
@@ -394,6 +409,8 @@ def main() -> None:
         if "io" in parts:
             res["io_direct"] = swap_io(path, args.io_gb, direct=True)
             res["io_buffered"] = swap_io(path, args.io_gb, direct=False)
+        if "qd" in parts:
+            res["qd"] = queue_depths(path, args.io_gb)
         if "adam" in parts:
             res["adam"] = adam()
         if "steps" in parts:
