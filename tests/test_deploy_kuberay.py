@@ -26,6 +26,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from tests.deploy_helpers import HEALTH_CHECK, NVME_PATH
+
 ROOT = Path(__file__).resolve().parent.parent
 KUBERAY = ROOT / "cluster" / "kuberay"
 CRDS = Path(__file__).resolve().parent / "data" / "kuberay"
@@ -35,10 +37,6 @@ CRD_FILES = {
     ("ray.io/v1", "RayJob"): CRDS / "ray.io_rayjobs.yaml",
     ("monitoring.coreos.com/v1", "PodMonitor"): CRDS / "prometheus-operator" / "monitoring.coreos.com_podmonitors.yaml",
 }
-# Ray's health check, set on every head (the launcher YAMLs set the same: tests/test_deploy_launcher.py).
-HEALTH_CHECK = {"RAY_health_check_period_ms": "5000", "RAY_health_check_timeout_ms": "10000",
-                "RAY_health_check_failure_threshold": "6"}
-NVME_PATH = "/mnt/nvme/zeroray"
 
 
 def strict_schema(schema: dict[str, Any]) -> dict[str, Any]:

@@ -14,7 +14,7 @@ import ray
 import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 
-from tests.test_deploy_kuberay import HEALTH_CHECK, NVME_PATH
+from tests.deploy_helpers import HEALTH_CHECK, NVME_PATH
 
 ROOT = Path(__file__).resolve().parent.parent
 LAUNCHER_YAMLS = sorted((ROOT / "cluster").glob("*.yaml"))

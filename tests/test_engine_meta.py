@@ -20,8 +20,8 @@ import zeroray
 import zeroray.train as zt
 from tests.dist_harness import run_ranks
 from tests.models import Block, TinyLM, batches, param_groups
+from tests.parity_helpers import CLIP, GAS, LR, reference
 from tests.ray_helpers import assert_nothing_left
-from tests.test_engine_parity import CLIP, GAS, LR, _reference
 from zeroray.models.gpt import GPT, GPTConfig
 from zeroray.train import RunConfig, ScalingConfig, ZeroTrainer
 
@@ -110,7 +110,7 @@ def _worker(rank: int, world: int) -> dict:
     data = batches(rank, GAS * 2)
     torch.manual_seed(SEED)
     cpu = StackLM()
-    out: dict = {"stack_cpu": _state(cpu), "ddp": _reference(rank, copy.deepcopy(cpu), data)}
+    out: dict = {"stack_cpu": _state(cpu), "ddp": reference(rank, copy.deepcopy(cpu), data)}
     tiny_ref = _state(_reference_init(_meta(TinyLM), tiny_init, [("head.weight", "wte.weight")]))
     gpt_ref = _state(_reference_init(_meta(lambda: GPT(GPT_CFG)), gpt_init, [("lm_head.weight", "transformer.wte.weight")]))
     out["tiny_ref"], out["gpt_ref"] = tiny_ref, gpt_ref

@@ -19,7 +19,7 @@ import torch
 import zeroray
 from tests.dist_harness import run_ranks
 from tests.models import TinyLM, batches, param_groups
-from tests.test_engine_parity import GAS, OPT_STEPS, _reference, _zero
+from tests.parity_helpers import GAS, OPT_STEPS, reference, zero_run
 
 PRECISIONS = ["fp32", "bf16", "fp16"]
 REPO = Path(__file__).resolve().parents[2]
@@ -37,14 +37,14 @@ def _parity(rank: int, world: int, precisions: list[str]) -> dict:
     data = [(x.to(dev), y.to(dev)) for x, y in batches(rank, GAS * OPT_STEPS)]
     torch.manual_seed(0)
     init = TinyLM().to(dev)
-    out = {"ref": _reference(rank, copy.deepcopy(init), data), "devices": set()}
+    out = {"ref": reference(rank, copy.deepcopy(init), data), "devices": set()}
     for precision in precisions:
         for stage in range(4):
             model = copy.deepcopy(init)
             # fp16: a first loss scale that does not overflow this model's gradients (2**16 would skip
             # the first steps, as it should, and the trajectories would differ for that reason alone).
             extra = {"loss_scaling": {"initial_scale_power": 8}} if precision == "fp16" else {}
-            out[(stage, precision)] = _zero(model, data, stage, precision, **extra)
+            out[(stage, precision)] = zero_run(model, data, stage, precision, **extra)
             out["devices"] |= {str(p.device) for p in model.parameters()}
     return out
 

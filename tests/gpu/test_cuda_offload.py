@@ -17,7 +17,7 @@ import torch
 import zeroray
 from tests.dist_harness import run_ranks
 from tests.models import TinyLM, batches, param_groups
-from tests.test_engine_parity import CLIP, GAS, LR, OPT_STEPS, _reference
+from tests.parity_helpers import CLIP, GAS, LR, OPT_STEPS, reference
 
 OFFLOAD = {"device": "cpu", "pin_memory": True}
 
@@ -54,7 +54,7 @@ def _worker(rank: int, world: int) -> dict:
     data = [(x.to(dev), y.to(dev)) for x, y in batches(rank, GAS * OPT_STEPS)]
     torch.manual_seed(0)
     init = TinyLM().to(dev)
-    out = {"ref": _reference(rank, copy.deepcopy(init), data)}
+    out = {"ref": reference(rank, copy.deepcopy(init), data)}
     for stage in (1, 2, 3):
         for precision in ("fp32", "bf16"):
             out[(stage, precision)] = _offloaded(copy.deepcopy(init), data, stage, precision)
