@@ -20,8 +20,10 @@ that means committed.
 
 from __future__ import annotations
 
+import functools
 import posixpath
 import threading
+from collections.abc import Callable, Generator, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -73,8 +75,18 @@ class SaveHandle:
 
 @dataclass
 class _Section:
+    """A section of this rank's file and where its bytes come from: ``read()`` yields its tensors
+    in order; ``in_memory``: they are live tensors (False: streamed from swap files through the
+    engine's bounded buffers, each valid until the next is asked for)."""
+
     entry: SectionEntry  # "offset" and "nbytes" are set by _plan
-    tensor: torch.Tensor = field(repr=False)
+    read: Callable[[], Iterable[torch.Tensor]] = field(repr=False)
+    nbytes: int
+    in_memory: bool = True
+
+    @classmethod
+    def of(cls, entry: SectionEntry, t: torch.Tensor) -> _Section:
+        return cls(entry, lambda: (t,), t.numel() * t.element_size())
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:
@@ -89,30 +101,30 @@ def _plan(engine: ZeroEngine) -> tuple[list[GroupEntry], list[_Section]]:
     """The rank-independent group table and this rank's sections, laid out in file order."""
     rank, world = engine.rank, engine.world_size
     groups, sections = [], []
-    for i, g in enumerate(engine.shard_state()):
+    for i, g in enumerate(engine.stream_shard_state()):
         slots = [SlotEntry(s.name, list(s.shape), s.offset) for s in g.slots]
-        groups.append(GroupEntry(g.name, g.numel, g.shard_world, g.param_group, "float32", sorted(g.tensors), slots))
+        groups.append(GroupEntry(g.name, g.numel, g.shard_world, g.param_group, "float32", sorted(g.keys), slots))
         writer = i % world if g.shard_world == 1 else rank
         if writer != rank:
             continue
-        for key in sorted(g.tensors):
+        for key in sorted(g.keys):
             entry = SectionEntry("shard", "float32", group=g.name, key=key, shard=g.shard_rank)
-            sections.append(_Section(entry, g.tensors[key].float()))
-    sections.append(_Section(SectionEntry("rng", "uint8", key="cpu"), torch.get_rng_state()))
+            sections.append(_Section(entry, functools.partial(g.read, key), 4 * (g.hi - g.lo), g.in_memory))
+    sections.append(_Section.of(SectionEntry("rng", "uint8", key="cpu"), torch.get_rng_state()))
     if engine.device.type == "cuda":
         rng = torch.cuda.get_rng_state(engine.device)
-        sections.append(_Section(SectionEntry("rng", "uint8", key="cuda"), rng))
+        sections.append(_Section.of(SectionEntry("rng", "uint8", key="cuda"), rng))
     if rank == 0:
         buffers = dict(engine.module.named_buffers())
         for name in engine.module.state_dict(keep_vars=True):
             if name in buffers:
                 b = buffers[name]
                 entry = SectionEntry("buffer", _dtype_name(b), name=name, shape=list(b.shape))
-                sections.append(_Section(entry, b))
+                sections.append(_Section.of(entry, b))
     pos = 0
     for s in sections:
         s.entry.offset = aligned(pos)
-        s.entry.nbytes = s.tensor.numel() * s.tensor.element_size()
+        s.entry.nbytes = s.nbytes
         pos = s.entry.offset + s.entry.nbytes
     return groups, sections
 
@@ -121,12 +133,34 @@ def _file_size(sections: list[_Section]) -> int:
     return sections[-1].entry.offset + sections[-1].entry.nbytes
 
 
-def _views(sections: list[_Section]) -> list[tuple[int, memoryview]]:
-    """Sync save: write straight from the tensors (CPU ones without a copy)."""
-    return [(s.entry.offset, memoryview(_raw(s.tensor).cpu().numpy())) for s in sections]
+def _chunks(s: _Section) -> Iterator[torch.Tensor]:
+    """The section's bytes as uint8 tensors, checked to add up to its size (a short stream is an error)."""
+    done = 0
+    parts = iter(s.read())
+    try:
+        for t in parts:
+            raw = _raw(t if t.dtype == torch.float32 or s.entry.kind != "shard" else t.float())
+            done += raw.numel()
+            if done > s.nbytes:
+                break
+            yield raw
+    finally:  # a stream abandoned half-way (a failed write) waits for its reads and frees its buffers
+        if isinstance(parts, Generator):
+            parts.close()
+    if done != s.nbytes:
+        raise CheckpointError(f"section {s.entry} produced {done} bytes, not {s.nbytes}")
 
 
-def _write_file(fs: AbstractFileSystem, path: str, pieces: list[tuple[int, memoryview]]) -> list[str]:
+def _views(sections: list[_Section]) -> Iterator[tuple[int, memoryview]]:
+    """Sync save: write straight from the tensors (CPU ones without a copy), one piece at a time."""
+    for s in sections:
+        off = s.entry.offset
+        for raw in _chunks(s):
+            yield off, memoryview(raw.cpu().numpy())
+            off += raw.numel()
+
+
+def _write_file(fs: AbstractFileSystem, path: str, pieces: Iterable[tuple[int, memoryview]]) -> list[str]:
     """Stream ``pieces`` (file offset, bytes) to ``path``, zero-filling gaps; returns chunk checksums."""
     hasher = ChunkHasher(CHUNK_BYTES, ALGORITHM)
     pos = 0
@@ -146,7 +180,7 @@ def _write_file(fs: AbstractFileSystem, path: str, pieces: list[tuple[int, memor
 
 
 def _write_rank(
-    fs: AbstractFileSystem, path: str, rank: int, sections: list[_Section], pieces: list[tuple[int, memoryview]]
+    fs: AbstractFileSystem, path: str, rank: int, sections: list[_Section], pieces: Iterable[tuple[int, memoryview]]
 ) -> None:
     """This rank's file, then its marker carrying the file's manifest entry."""
     name = rank_file(rank)
@@ -252,24 +286,35 @@ class AsyncSaver:
         engine, rank = self.engine, self.engine.rank
         previous = attempt(self.wait)
         fs, path, sections, commit = _start(engine, url, previous, storage_options, num_to_keep, commit_timeout)
-        pieces = self._snapshot(sections, engine.device)
         handle = SaveHandle(url)
 
-        def upload() -> None:
+        def write(pieces: Iterable[tuple[int, memoryview]]) -> bool:
             try:
                 _write_rank(fs, path, rank, sections, pieces)
             except Exception as e:
                 handle.error = e
                 msg = f"{type(e).__name__}: {e}"
                 attempt(lambda: protocol.write_error_marker(fs, path, rank, msg))
-                return
-            if commit is not None:
+                return False
+            return True
+
+        def upload(pieces: Iterable[tuple[int, memoryview]] | None) -> None:
+            if (pieces is None or write(pieces)) and commit is not None:
                 try:
                     commit.run(fs, path, url)
                 except Exception as e:
                     handle.error = e
 
-        handle._thread = threading.Thread(target=upload, name=f"zeroray-save-rank{rank}", daemon=True)
+        if all(s.in_memory for s in sections):
+            args: tuple = (self._snapshot(sections, engine.device),)
+        else:
+            # NVMe offload: the states are in swap files, not in memory, and a snapshot of them would
+            # need the whole state in host memory. This rank's file is streamed now, through the
+            # swap buffers (the next step rewrites the files); only rank 0's commit runs behind.
+            if not write(_views(sections)):
+                commit = None
+            args = (None,)
+        handle._thread = threading.Thread(target=upload, args=args, name=f"zeroray-save-rank{rank}", daemon=True)
         handle._thread.start()
         self._inflight = handle
         return handle
@@ -282,10 +327,11 @@ class AsyncSaver:
         buf = self._buffer[:total]
         pos = 0
         for s in sections:
-            off = s.entry.offset
-            buf[pos:off].zero_()
-            buf[off : off + s.entry.nbytes].copy_(_raw(s.tensor), non_blocking=True)
-            pos = off + s.entry.nbytes
+            buf[pos : s.entry.offset].zero_()
+            pos = s.entry.offset
+            for raw in _chunks(s):
+                buf[pos : pos + raw.numel()].copy_(raw, non_blocking=True)
+                pos += raw.numel()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return [(0, memoryview(buf.numpy()))]

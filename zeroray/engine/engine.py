@@ -16,9 +16,10 @@ built on the meta device is initialized instead, the same on every rank, with no
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -62,6 +63,36 @@ class GroupShard:
     hi: int
     param_group: int | None  # optimizer param group, None = frozen
     tensors: dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class GroupSource:
+    """One rank's part of one logical flat group, read on demand (:meth:`ZeroEngine.stream_shard_state`):
+    a :class:`GroupShard` whose tensors are produced piece by piece instead of held."""
+
+    name: str
+    slots: list[TensorSlot]
+    numel: int
+    shard_world: int
+    shard_rank: int
+    lo: int
+    hi: int
+    param_group: int | None
+    keys: tuple[str, ...]  # "weight" and the elementwise optimizer states the group has now
+    in_memory: bool  # read() yields live tensors (False: bounded reads of swap files, valid one at a time)
+    read: Callable[[str], Iterator[torch.Tensor]] = field(repr=False)  # key -> consecutive 1-D fp32 tensors, hi - lo elements in all
+
+
+@dataclass(frozen=True)
+class ShardRange:
+    """Elements ``[lo, hi)`` of this rank's shard (``hi - lo`` of the padded group's ``[GroupShard.lo,
+    GroupShard.hi)``) of group ``group``'s ``key``, to be written into ``dest`` (1-D fp32, CPU)."""
+
+    group: str
+    key: str
+    lo: int
+    hi: int
+    dest: torch.Tensor
 
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -425,6 +456,20 @@ class ZeroEngine:
             "precision": self.config.precision.name,
         }
 
+    def stream_shard_state(self) -> list[GroupSource]:
+        """This rank's slices of every logical flat group, as :meth:`shard_state` but read on demand:
+        nothing is read until a group's ``read(key)`` is iterated, and then only one bounded piece
+        at a time where the states live in swap files (NVMe offload). What a checkpoint save
+        streams; its metadata is what a load needs to plan its reads."""
+        out = []
+        for g in self.groups:
+            keys = ("weight", *self.optim.state_keys(g)) if g.trainable else ("weight",)
+            out.append(GroupSource(
+                g.name, g.slots, g.numel, g.shard_world, g.shard_rank, g.lo, g.hi, g.param_group, keys,
+                self.optim.in_memory or not g.trainable, functools.partial(self.optim.read, g),
+            ))
+        return out
+
     def load_shard_state(self, tensors: dict[str, dict[str, torch.Tensor]], meta: dict[str, Any]) -> None:
         """Collective: install shards (keyed like :meth:`shard_state`, for *this* engine's groups)
         and ``meta``, then rebuild every rank's parameters from the loaded weights.
@@ -433,15 +478,44 @@ class ZeroEngine:
         already fit): hand it tensors nobody else writes to."""
         with torch.no_grad():
             for g in self.groups:
-                mine = tensors[g.name]
-                weight = mine["weight"].reshape(-1)
                 if not g.trainable:
-                    g.shard.copy_(weight)
-                    continue
-                gi = g.param_group
-                states = {k: v.reshape(-1) for k, v in mine.items() if k != "weight"}
-                self.optim.load(g, weight, states, meta.get("optimizer_scalars", [{}] * (gi + 1))[gi])
+                    g.shard.copy_(tensors[g.name]["weight"].reshape(-1))
+            self.optim.load({g: tensors[g.name] for g in self.optim.groups}, self._scalars(meta))
             self._publish(self.groups)
+        self._load_meta(meta)
+
+    def load_shard_stream(
+        self, keys: dict[str, Sequence[str]], fill: Callable[[list[ShardRange]], None], meta: dict[str, Any]
+    ) -> None:
+        """Collective: as :meth:`load_shard_state`, but the engine asks ``fill`` for the values, into
+        destinations of its own: ``keys[group]`` names what to load ("weight" and the optimizer
+        states; "weight" alone leaves the states fresh). With the states in memory, one call asks
+        for everything before anything changes (a failed read leaves the engine as it was); with
+        NVMe offload, one call per sub-group fills the swap buffers and each file is written once,
+        so host memory stays bounded by the buffer pool (a failed read leaves part of the state
+        loaded: load again)."""
+        frozen = [g for g in self.groups if not g.trainable]
+        weights = {g: torch.empty(g.shard_numel, dtype=torch.float32) for g in frozen}
+
+        def ranges(parts: list[tuple[FlatGroup, str, int, int, torch.Tensor]]) -> list[ShardRange]:
+            return [ShardRange(g.name, k, lo, hi, dest) for g, k, lo, hi, dest in parts]
+
+        with torch.no_grad():
+            if weights:
+                fill(ranges([(g, "weight", 0, g.shard_numel, t) for g, t in weights.items()]))
+            self.optim.load_stream(
+                {g: keys[g.name] for g in self.optim.groups}, lambda parts: fill(ranges(parts)), self._scalars(meta)
+            )
+            for g, t in weights.items():
+                g.shard.copy_(t)
+            self._publish(self.groups)
+        self._load_meta(meta)
+
+    def _scalars(self, meta: dict[str, Any]) -> list[dict[str, float]]:
+        saved = meta.get("optimizer_scalars") or []
+        return [saved[i] if i < len(saved) else {} for i in range(len(self.optimizer.param_groups))]
+
+    def _load_meta(self, meta: dict[str, Any]) -> None:
         # Hyperparameters an LR scheduler changed (lr, ...), as torch's Optimizer.load_state_dict does.
         for group, saved in zip(self.optimizer.param_groups, meta.get("param_groups", [])):
             for k, v in saved.items():

@@ -31,6 +31,10 @@ if TYPE_CHECKING:
 
 _F32 = 4
 
+# ``fill(parts)``: write into each ``dest`` the values ``[lo, hi)`` of ``piece``'s ``key``, where lo/hi
+# count elements of the piece's group shard (the piece covers ``[piece.lo, piece.hi)`` of it).
+Fill = Callable[[list[tuple["Piece", str, int, int, torch.Tensor]]], None]
+
 
 def elementwise_states(state: dict, numel: int) -> dict[str, torch.Tensor]:
     """The states shaped like their parameter (Adam's moments); scalars (``step``) are left out."""
@@ -71,6 +75,25 @@ class StateHome:
 
     def load(self, piece: Piece, weight: torch.Tensor, states: dict[str, torch.Tensor], scalars: dict[str, float],
              optimizer: torch.optim.Optimizer) -> None:
+        raise NotImplementedError
+
+    # Homes that keep masters and states out of memory (``in_memory`` False) move them through their
+    # own bounded buffers instead of whole tensors: ``state_keys``/``stream`` to read, ``load_stream`` to write.
+    in_memory = True
+
+    def state_keys(self, piece: Piece, optimizer: torch.optim.Optimizer) -> list[str]:
+        """Names of ``piece``'s elementwise optimizer states (none before its first step), sorted."""
+        return sorted(self.states(piece, optimizer))
+
+    def stream(self, pieces: Sequence[Piece], key: str, optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+        """``pieces``' values of ``key`` ("weight": the master) in order, as consecutive 1-D fp32
+        tensors; each is valid until the next one is asked for."""
+        raise NotImplementedError
+
+    def load_stream(self, subs: Sequence[SubGroup], keys: Callable[[Piece], Sequence[str]], fill: Fill,
+                    scalars: Callable[[Piece], dict[str, float]], optimizer: torch.optim.Optimizer) -> None:
+        """Install every piece's ``keys(piece)`` ("weight" and the states it was saved with, or
+        "weight" alone: fresh states) from values ``fill`` writes into the home's buffers."""
         raise NotImplementedError
 
     def set_master(self, piece: Piece, values: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
@@ -172,6 +195,8 @@ class ResidentHome(StateHome):
 class NvmeHome(StateHome):
     """Masters and states in one swap file per sub-group: ``[master | state_1 | ... | state_K]``,
     each segment ``aligned(numel * 4)`` bytes, pieces in order inside a segment."""
+
+    in_memory = False
 
     def __init__(self, swap: SwapDir, buffer_count: int, host_device: torch.device, expected_states: int):
         self.swap = swap
@@ -367,6 +392,9 @@ class NvmeHome(StateHome):
                 buf.close()
         return out
 
+    def state_keys(self, piece: Piece, optimizer: torch.optim.Optimizer) -> list[str]:
+        return list(self.keys or ()) if optimizer.state.get(piece.param) else []
+
     def states(self, piece: Piece, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
         if not optimizer.state.get(piece.param) or not self.keys:
             return {}
@@ -376,6 +404,82 @@ class NvmeHome(StateHome):
             return {k: self._segment(buf, i, s)[off : off + piece.numel].clone() for s, k in enumerate(self.keys, start=1)}
         finally:
             buf.close()
+
+    def _segment_index(self, key: str) -> int:
+        return 0 if key == "weight" else 1 + (self.keys or []).index(key)
+
+    def stream(self, pieces: Sequence[Piece], key: str, optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+        """Read the pieces' segment ``key`` from their files through the pool's buffers (idle between
+        steps), in aligned requests of at most a buffer each; the read of the next request runs
+        while the caller uses the current one."""
+        self._drain()
+        s = self._segment_index(key)
+        cap = min(b.nbytes for b in self._bufs)  # aligned
+        parts = []  # (file, aligned file offset, aligned bytes, first element, elements)
+        for piece in pieces:
+            i, off = self._offsets[id(piece.param)]
+            pos, end = s * self._seg_bytes[i] + off * _F32, s * self._seg_bytes[i] + (off + piece.numel) * _F32
+            while pos < end:
+                a0 = pos // ALIGN * ALIGN
+                stop = min(end, a0 + cap)
+                parts.append((i, a0, aligned(stop) - a0, (pos - a0) // _F32, (stop - pos) // _F32))
+                pos = stop
+        n = len(self._bufs)
+        inflight: dict[int, list[Future]] = {}
+
+        def start(j: int) -> None:
+            i, a0, nbytes, _, _ = parts[j]
+            inflight[j] = self.swap.read(self._name(i), self._bufs[j % n], nbytes, a0)
+
+        try:
+            if parts:
+                start(0)
+            for j, (_, _, _, first, count) in enumerate(parts):
+                if n > 1 and j + 1 < len(parts):
+                    start(j + 1)
+                wait_all(inflight.pop(j))
+                yield self._bufs[j % n].tensor[first : first + count]
+                if n == 1 and j + 1 < len(parts):
+                    start(j + 1)
+        finally:  # abandoned half-way: no read may land in a buffer the next step uses
+            for futures in inflight.values():
+                for f in futures:
+                    f.exception()
+
+    def load_stream(self, subs: Sequence[SubGroup], keys: Callable[[Piece], Sequence[str]], fill: Fill,
+                    scalars: Callable[[Piece], dict[str, float]], optimizer: torch.optim.Optimizer) -> None:
+        """Each sub-group's file written once: its pieces' values filled into a pool buffer, the
+        masters copied into the compute shards, the buffer written while the next one fills."""
+        wanted = {id(p.param): sorted(k for k in keys(p) if k != "weight") for sub in subs for p in sub.pieces}
+        found = next((w for w in wanted.values() if w), None)
+        for w in wanted.values():  # checked before anything is written
+            if w and w != (self.keys or found):
+                raise ValueError(f"optimizer states {w} do not match this optimizer's {self.keys or found}")
+        if found and self.keys is None:
+            self.keys = found
+            self._ensure_capacity()
+        self._drain()
+        n = len(self._bufs)
+        for sub in subs:
+            i, b = sub.index, sub.index % n
+            self._wait_buffer(b)
+            buf = self._bufs[b]
+            parts = []
+            for piece in sub.pieces:
+                _, off = self._offsets[id(piece.param)]
+                for k in ["weight", *wanted[id(piece.param)]]:
+                    dest = self._segment(buf, i, self._segment_index(k))[off : off + piece.numel]
+                    parts.append((piece, k, piece.lo, piece.hi, dest))
+            fill(parts)
+            for piece in sub.pieces:
+                _, off = self._offsets[id(piece.param)]
+                piece.group.shard[piece.lo : piece.hi].copy_(self._segment(buf, i, 0)[off : off + piece.numel])
+                if wanted[id(piece.param)]:
+                    optimizer.state[piece.param] = _scalar_state(scalars(piece))
+                else:
+                    optimizer.state.pop(piece.param, None)
+            self._writes[b] = self._write_from(i, buf)
+        self._drain()
 
     def _rewrite(self, piece: Piece, edit: Callable[[AlignedBuffer, int, int], None]) -> None:
         """Read ``piece``'s file, ``edit(buffer, sub-group index, offset)``, write it back."""
@@ -389,26 +493,6 @@ class NvmeHome(StateHome):
             wait_all(self._write_from(i, buf))
         finally:
             buf.close()
-
-    def load(self, piece: Piece, weight: torch.Tensor, states: dict[str, torch.Tensor], scalars: dict[str, float],
-             optimizer: torch.optim.Optimizer) -> None:
-        if states and self.keys is None:
-            self.keys = sorted(states)
-            self._ensure_capacity()
-        if states and sorted(states) != self.keys:
-            raise ValueError(f"optimizer states {sorted(states)} do not match this optimizer's {self.keys}")
-
-        def edit(buf: AlignedBuffer, i: int, off: int) -> None:
-            self._segment(buf, i, 0)[off : off + piece.numel].copy_(weight.reshape(-1))
-            for s, k in enumerate(self.keys or (), start=1):
-                if k in states:
-                    self._segment(buf, i, s)[off : off + piece.numel].copy_(states[k].reshape(-1))
-
-        self._rewrite(piece, edit)
-        if states:
-            optimizer.state[piece.param] = _scalar_state(scalars)
-        else:
-            optimizer.state.pop(piece.param, None)
 
     def set_master(self, piece: Piece, values: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
         def edit(buf: AlignedBuffer, i: int, off: int) -> None:

@@ -87,23 +87,27 @@ class SwapDir:
             fd = self._fds[name] = os.open(os.path.join(self.path, name), flags, 0o600)
         return fd
 
-    def write(self, name: str, buf: AlignedBuffer, nbytes: int) -> list[Future]:
-        """Write the first ``nbytes`` (aligned up) of ``buf`` as the file ``name`` (async)."""
+    def write(self, name: str, buf: AlignedBuffer, nbytes: int, offset: int = 0) -> list[Future]:
+        """Write the first ``nbytes`` (aligned up) of ``buf`` into the file ``name`` at ``offset``
+        (page-aligned) (async)."""
         n = aligned(nbytes)
         self.bytes_written += n
-        return self._submit(os.pwritev, self._fd(name), buf, n)
+        return self._submit(os.pwritev, self._fd(name), buf, n, offset)
 
-    def read(self, name: str, buf: AlignedBuffer, nbytes: int) -> list[Future]:
-        """Read the file ``name``'s first ``nbytes`` (aligned up) into ``buf`` (async)."""
+    def read(self, name: str, buf: AlignedBuffer, nbytes: int, offset: int = 0) -> list[Future]:
+        """Read ``nbytes`` (aligned up) of the file ``name`` from ``offset`` (page-aligned) into the
+        start of ``buf`` (async)."""
         n = aligned(nbytes)
         self.bytes_read += n
-        return self._submit(os.preadv, self._fd(name), buf, n)
+        return self._submit(os.preadv, self._fd(name), buf, n, offset)
 
-    def _submit(self, op, fd: int, buf: AlignedBuffer, n: int) -> list[Future]:  # noqa: ANN001
+    def _submit(self, op, fd: int, buf: AlignedBuffer, n: int, offset: int) -> list[Future]:  # noqa: ANN001
         if n > buf.nbytes:
             raise ValueError(f"swap request of {n} bytes exceeds its buffer ({buf.nbytes} bytes)")
+        if offset % ALIGN:
+            raise ValueError(f"swap request at byte {offset} is not {ALIGN}-aligned")
         return [
-            self._pool.submit(self._io, op, fd, buf.view[off : min(off + self.block_size, n)], off)
+            self._pool.submit(self._io, op, fd, buf.view[off : min(off + self.block_size, n)], offset + off)
             for off in range(0, n, self.block_size)
         ]
 
