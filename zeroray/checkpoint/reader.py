@@ -10,6 +10,10 @@ tensors (bytes nobody asked for go to a scratch buffer), then its chunks are che
 same buffers — no intermediate copy; elsewhere (object stores) a run is one range request, verified,
 then copied into place. Nothing is unpickled: the manifest is JSON, tensors are raw little-endian
 numbers.
+
+The destinations are the engine's (:meth:`ZeroEngine.load_shard_stream`): whole fresh tensors,
+all read before anything is installed, when the optimizer states live in memory; with NVMe offload,
+one sub-group's swap buffer at a time, each swap file written once.
 """
 
 from __future__ import annotations

@@ -6,7 +6,9 @@ A save, on every rank:
    went well;
 2. pick its sections: its slice of every flat group ("weight" and each optimizer state, fp32), its
    RNG state, and on rank 0 the model's persistent buffers. At stage 0 every rank holds every group,
-   so group ``i`` is written only by rank ``i % world_size``;
+   so group ``i`` is written only by rank ``i % world_size``. A section is a producer of its bytes
+   (:meth:`ZeroEngine.stream_shard_state`): the live tensors when the states are in memory, bounded
+   reads of the swap files through the engine's swap buffers with NVMe offload;
 3. write ``rank-NNNNN.bin`` through fsspec, hashing 4 MiB chunks while writing, then its marker;
 4. rank 0 commits (see :mod:`zeroray.checkpoint.commit`) and, if asked, applies retention.
 
@@ -15,7 +17,9 @@ commit. An :class:`AsyncSaver` — an object held by whoever saves (the trainer'
 or a user's loop) — first copies the sections into its reusable host buffer (pinned on GPU), the
 only stall, then runs 3-4 in a background thread; rank 0's thread polls storage for the markers, so
 no collective runs off the main thread. ``saver.wait()`` (or its next save) joins it; on rank 0
-that means committed.
+that means committed. With NVMe offload the states are in swap files, not in memory: copying them
+into a host buffer would hold the whole state there, so the saver streams this rank's file in the
+caller, through the swap buffers, and only rank 0's commit runs in the background.
 """
 
 from __future__ import annotations

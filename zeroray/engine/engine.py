@@ -79,14 +79,16 @@ class GroupSource:
     hi: int
     param_group: int | None
     keys: tuple[str, ...]  # "weight" and the elementwise optimizer states the group has now
-    in_memory: bool  # read() yields live tensors (False: bounded reads of swap files, valid one at a time)
-    read: Callable[[str], Iterator[torch.Tensor]] = field(repr=False)  # key -> consecutive 1-D fp32 tensors, hi - lo elements in all
+    in_memory: bool  # read() yields live tensors; False: swap buffers, each valid until the next is asked for
+    # read(key): the shard of ``key`` as consecutive 1-D fp32 tensors, ``hi - lo`` elements in all
+    read: Callable[[str], Iterator[torch.Tensor]] = field(repr=False)
 
 
 @dataclass(frozen=True)
 class ShardRange:
-    """Elements ``[lo, hi)`` of this rank's shard (``hi - lo`` of the padded group's ``[GroupShard.lo,
-    GroupShard.hi)``) of group ``group``'s ``key``, to be written into ``dest`` (1-D fp32, CPU)."""
+    """Elements ``[lo, hi)`` of this rank's shard of group ``group``'s ``key`` (counted from the
+    shard's start, the padded group's element ``GroupShard.lo``), to be written into ``dest``
+    (``hi - lo`` fp32 elements in host memory) by :meth:`ZeroEngine.load_shard_stream`'s ``fill``."""
 
     group: str
     key: str
@@ -425,7 +427,9 @@ class ZeroEngine:
 
         Each tensor is 1-D with ``hi - lo`` elements (padding included): the fp32 weights under
         "weight", and each elementwise optimizer state (e.g. Adam's "exp_avg") under its key.
-        The tensors are live; copy them before training goes on.
+        The tensors are live; copy them before training goes on. With NVMe offload they are read
+        from the swap files into fresh tensors, the whole state at once: to stream it through
+        bounded buffers instead, use :meth:`stream_shard_state`.
         """
         out = []
         for g in self.groups:
