@@ -28,8 +28,8 @@ GAS, LR = 2, 1e-2
 
 
 def _save_worker(rank: int, world: int, path: str, urls: dict[str, str], offload: dict | None) -> None:
-    """Train a few steps, then save synchronously and through an AsyncSaver; train on and save again
-    (the second saves read the swap files the step wrote after the first)."""
+    """Train a few steps, then save synchronously and through an AsyncSaver, whose upload runs while
+    training goes on (the steps rewrite the swap files meanwhile); train on and save again."""
     torch.manual_seed(0)
     model = TinyLM()
     cfg = zeroray.ZeroConfig(
@@ -45,7 +45,7 @@ def _save_worker(rank: int, world: int, path: str, urls: dict[str, str], offload
             engine.step()
         ckpt.save(engine, urls[name])
         saver.save(urls[name + "-async"])
-        saver.wait()
+    saver.wait()
     engine.close()
 
 
@@ -84,6 +84,9 @@ def test_nvme_checkpoint_is_byte_identical_to_the_same_run_without_offload(tmp_p
                 assert got[k] == ref[k], (run, name, k)
             for f, g in zip(manifest.files, ref_manifest.files, strict=True):
                 assert f.sections == g.sections and f.chunks == g.chunks and f.size == g.size, (run, name, f.path)
+    for run in runs:  # an async save holds the state of its call, whatever the steps after it did
+        for name in ("first", "second"):
+            assert _shard_bytes(urls[run][name + "-async"])[1] == _shard_bytes(urls[run][name])[1], (run, name)
     assert os.listdir(tmp_path / "zeroray-swap") == []
 
 

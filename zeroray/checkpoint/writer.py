@@ -54,6 +54,7 @@ from zeroray.checkpoint.manifest import (
 )
 from zeroray.checkpoint.storage import apply_retention, delete_checkpoint, open_url, parent_url
 from zeroray.engine import ZeroEngine
+from zeroray.engine.engine import ShardStateCopy
 
 _WRITE_STEP = 4 << 20  # bytes handed to f.write at a time, hashed meanwhile in another thread
 
@@ -143,7 +144,8 @@ def _chunks(s: _Section) -> Iterator[torch.Tensor]:
     parts = iter(s.read())
     try:
         for t in parts:
-            raw = _raw(t if t.dtype == torch.float32 or s.entry.kind != "shard" else t.float())
+            cast = s.entry.kind == "shard" and t.dtype.is_floating_point and t.dtype != torch.float32
+            raw = _raw(t.float() if cast else t)
             done += raw.numel()
             if done > s.nbytes:
                 break
@@ -257,6 +259,20 @@ def save(
     return SaveHandle(url)
 
 
+def _copy_of(engine: ZeroEngine, sections: list[_Section]) -> ShardStateCopy | None:
+    """Point the streamed sections at a copy of the engine's swap files (None: no room for one)."""
+    try:
+        copy = engine.copy_shard_state()
+    except OSError:  # the copy failed: stream from the swap files instead, where a broken disk shows
+        return None
+    if copy is not None:
+        by_name = {g.name: g for g in copy.groups}
+        for s in sections:
+            if not s.in_memory:
+                s.read = functools.partial(by_name[s.entry.group].read, s.entry.key)
+    return copy
+
+
 class AsyncSaver:
     """Background saves of one engine, one in flight at a time, through a reusable host buffer.
 
@@ -302,40 +318,54 @@ class AsyncSaver:
                 return False
             return True
 
-        def upload(pieces: Iterable[tuple[int, memoryview]] | None) -> None:
-            if (pieces is None or write(pieces)) and commit is not None:
-                try:
-                    commit.run(fs, path, url)
-                except Exception as e:
-                    handle.error = e
+        copy, written = None, None
+        if not all(s.in_memory for s in sections):
+            # NVMe offload: the states are in swap files, not in memory, and a snapshot of them in host
+            # memory would hold the whole state. They are copied on their disk instead, through the
+            # swap buffers, and the file is streamed from that copy in the background.
+            copy = _copy_of(engine, sections)
+            if copy is None:
+                # No room on the disk for a copy: this rank's file is streamed now, from the swap files
+                # (the next step rewrites them), and only rank 0's commit runs in the background.
+                written = write(_views(sections))
+        pieces = _views(self._snapshot(sections, engine.device)) if written is None else None
 
-        if all(s.in_memory for s in sections):
-            args: tuple = (self._snapshot(sections, engine.device),)
-        else:
-            # NVMe offload: the states are in swap files, not in memory, and a snapshot of them would
-            # need the whole state in host memory. This rank's file is streamed now, through the
-            # swap buffers (the next step rewrites the files); only rank 0's commit runs behind.
-            if not write(_views(sections)):
-                commit = None
-            args = (None,)
-        handle._thread = threading.Thread(target=upload, args=args, name=f"zeroray-save-rank{rank}", daemon=True)
+        def upload() -> None:
+            try:
+                if (written if pieces is None else write(pieces)) and commit is not None:
+                    commit.run(fs, path, url)
+            except Exception as e:
+                handle.error = e
+            finally:
+                if copy is not None:
+                    copy.close()
+
+        handle._thread = threading.Thread(target=upload, name=f"zeroray-save-rank{rank}", daemon=True)
         handle._thread.start()
         self._inflight = handle
         return handle
 
-    def _snapshot(self, sections: list[_Section], device: torch.device) -> list[tuple[int, memoryview]]:
-        """Copy every section into the host buffer, laid out exactly as the file."""
-        total = _file_size(sections)
+    def _snapshot(self, sections: list[_Section], device: torch.device) -> list[_Section]:
+        """Copy the sections held in memory into the host buffer, back to back; the sections that
+        stream (from a copy of the swap files) are left as they are."""
+        held = [s for s in sections if s.in_memory]
+        starts, total = [], 0
+        for s in held:
+            starts.append(total)
+            total = aligned(total + s.nbytes)
         if self._buffer is None or self._buffer.numel() < total:
             self._buffer = torch.empty(total, dtype=torch.uint8, pin_memory=device.type == "cuda")
-        buf = self._buffer[:total]
-        pos = 0
+        out, copied = [], dict(zip(map(id, held), starts))
         for s in sections:
-            buf[pos : s.entry.offset].zero_()
-            pos = s.entry.offset
+            if not s.in_memory:
+                out.append(s)
+                continue
+            pos = start = copied[id(s)]
             for raw in _chunks(s):
-                buf[pos : pos + raw.numel()].copy_(raw, non_blocking=True)
+                self._buffer[pos : pos + raw.numel()].copy_(raw, non_blocking=True)
                 pos += raw.numel()
+            view = self._buffer[start : start + s.nbytes]
+            out.append(_Section(s.entry, lambda v=view: (v,), s.nbytes))
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        return [(0, memoryview(buf.numpy()))]
+        return out

@@ -16,6 +16,7 @@ built on the meta device is initialized instead, the same on every rank, with no
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -82,6 +83,14 @@ class GroupSource:
     in_memory: bool  # read() yields live tensors; False: swap buffers, each valid until the next is asked for
     # read(key): the shard of ``key`` as consecutive 1-D fp32 tensors, ``hi - lo`` elements in all
     read: Callable[[str], Iterator[torch.Tensor]] = field(repr=False)
+
+
+@dataclass(frozen=True)
+class ShardStateCopy:
+    """A copy of this rank's shard state that training may run past (:meth:`ZeroEngine.copy_shard_state`)."""
+
+    groups: list[GroupSource]
+    close: Callable[[], None]  # removes the copy
 
 
 @dataclass(frozen=True)
@@ -473,6 +482,22 @@ class ZeroEngine:
                 self.optim.in_memory or not g.trainable, functools.partial(self.optim.read, g),
             ))
         return out
+
+    def copy_shard_state(self) -> ShardStateCopy | None:
+        """What :meth:`stream_shard_state` reads, copied now so that training may run past it (a
+        save in the background): with NVMe offload, the swap files copied on their disk through the
+        swap buffer pool (no host memory added), then read from one thread through a buffer of
+        ``offload_io.block_size`` bytes; ``close()`` removes the copy. None where the optimizer
+        states live in memory (copy the live tensors instead) or the disk has no room for a copy.
+        Frozen groups' sources stay live tensors (``in_memory``)."""
+        copy = self.optim.copy()
+        if copy is None:
+            return None
+        groups = [
+            dataclasses.replace(src, read=functools.partial(copy.read, g), in_memory=False) if g.trainable else src
+            for g, src in zip(self.groups, self.stream_shard_state(), strict=True)
+        ]
+        return ShardStateCopy(groups, copy.close)
 
     def load_shard_state(self, tensors: dict[str, dict[str, torch.Tensor]], meta: dict[str, Any]) -> None:
         """Collective: install shards (keyed like :meth:`shard_state`, for *this* engine's groups)

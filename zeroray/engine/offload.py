@@ -16,7 +16,10 @@ and never knows which one it has.
 
 from __future__ import annotations
 
+import os
+import shutil
 import time
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
@@ -24,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from zeroray.engine.flat_group import FlatGroup
-from zeroray.engine.swap import ALIGN, AlignedBuffer, SwapDir, aligned, wait_all
+from zeroray.engine.swap import ALIGN, AlignedBuffer, SwapDir, aligned, read_exact, wait_all
 
 if TYPE_CHECKING:
     from zeroray.engine.sharded_optim import Piece, SubGroup
@@ -95,6 +98,11 @@ class StateHome:
         """Install every piece's ``keys(piece)`` ("weight" and the states it was saved with, or
         "weight" alone: fresh states) from values ``fill`` writes into the home's buffers."""
         raise NotImplementedError
+
+    def copy(self) -> SwapCopy | None:
+        """A copy of the masters and states on disk that training may run past (None: they are not
+        in files, or the disk has no room for a copy)."""
+        return None
 
     def set_master(self, piece: Piece, values: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
         raise NotImplementedError
@@ -413,17 +421,8 @@ class NvmeHome(StateHome):
         steps), in aligned requests of at most a buffer each; the read of the next request runs
         while the caller uses the current one."""
         self._drain()
-        s = self._segment_index(key)
-        cap = min(b.nbytes for b in self._bufs)  # aligned
-        parts = []  # (file, aligned file offset, aligned bytes, first element, elements)
-        for piece in pieces:
-            i, off = self._offsets[id(piece.param)]
-            pos, end = s * self._seg_bytes[i] + off * _F32, s * self._seg_bytes[i] + (off + piece.numel) * _F32
-            while pos < end:
-                a0 = pos // ALIGN * ALIGN
-                stop = min(end, a0 + cap)
-                parts.append((i, a0, aligned(stop) - a0, (pos - a0) // _F32, (stop - pos) // _F32))
-                pos = stop
+        cap = min(b.nbytes for b in self._bufs)
+        parts = _requests(pieces, self._segment_index(key), self._offsets, self._seg_bytes, cap)
         n = len(self._bufs)
         inflight: dict[int, list[Future]] = {}
 
@@ -481,6 +480,55 @@ class NvmeHome(StateHome):
             self._writes[b] = self._write_from(i, buf)
         self._drain()
 
+    def copy(self) -> SwapCopy | None:
+        """Copy the swap files, through the pool's buffers (reads of the next file while the last
+        one is written), into a directory beside them, read back ``offload_io.block_size`` bytes at
+        a time; None when the disk has no room for it."""
+        self._drain()
+        need = sum(s * b for s, b in zip(self._segs, self._seg_bytes))
+        st = os.statvfs(self.swap.path)
+        if st.f_bavail * st.f_frsize < need + (64 << 20):
+            return None
+        sub = f"copy-{uuid.uuid4().hex[:8]}"
+        os.makedirs(os.path.join(self.swap.path, sub))
+        names = [f"{sub}/{self._name(i)}" for i in range(len(self._subs))]
+        copy = SwapCopy(os.path.join(self.swap.path, sub), [self._name(i) for i in range(len(self._subs))],
+                        self.keys or (), self._offsets, self._seg_bytes, self.swap.direct, self.swap.block_size)
+        n = len(self._bufs)
+        try:
+            reads: dict[int, list[Future]] = {}
+
+            def start_read(i: int) -> None:
+                self._wait_buffer(i % n)
+                reads[i] = self._read_into(i, self._bufs[i % n])
+
+            if names:
+                start_read(0)
+            for i in range(len(names)):
+                if n > 1 and i + 1 < len(names):
+                    start_read(i + 1)
+                wait_all(reads.pop(i))
+                nbytes = self._segs[i] * self._seg_bytes[i]
+                self._writes[i % n] = self.swap.write(names[i], self._bufs[i % n], nbytes)
+                if n == 1 and i + 1 < len(names):
+                    start_read(i + 1)
+            self._drain()
+        except BaseException:
+            for futures in reads.values():
+                for f in futures:
+                    f.exception()
+            self._drain_quietly()
+            self.swap.forget(sub + "/")
+            copy.close()
+            raise
+        self.swap.forget(sub + "/")
+        return copy
+
+    def _drain_quietly(self) -> None:
+        for b in list(self._writes):
+            for f in self._writes.pop(b):
+                f.exception()
+
     def _rewrite(self, piece: Piece, edit: Callable[[AlignedBuffer, int, int], None]) -> None:
         """Read ``piece``'s file, ``edit(buffer, sub-group index, offset)``, write it back."""
         i, off = self._offsets[id(piece.param)]
@@ -514,6 +562,54 @@ class NvmeHome(StateHome):
                 b.close()
             self._bufs = []
             self.swap.close()
+
+
+def _requests(pieces: Sequence[Piece], s: int, offsets: dict[int, tuple[int, int]], seg_bytes: Sequence[int],
+              cap: int) -> list[tuple[int, int, int, int, int]]:
+    """The aligned reads that give ``pieces``' segment ``s`` in order, each at most ``cap`` (aligned)
+    bytes: (file index, file offset, bytes, first element wanted in the buffer, elements wanted)."""
+    parts = []
+    for piece in pieces:
+        i, off = offsets[id(piece.param)]
+        pos, end = s * seg_bytes[i] + off * _F32, s * seg_bytes[i] + (off + piece.numel) * _F32
+        while pos < end:
+            a0 = pos // ALIGN * ALIGN
+            stop = min(end, a0 + cap)
+            parts.append((i, a0, aligned(stop) - a0, (pos - a0) // _F32, (stop - pos) // _F32))
+            pos = stop
+    return parts
+
+
+class SwapCopy:
+    """A copy of a home's swap files, taken between steps on the same disk, that training may run
+    past: a background checkpoint save reads it (from any one thread, one buffer of ``cap`` bytes
+    at a time) while the next steps rewrite the originals. :meth:`close` removes it."""
+
+    def __init__(self, path: str, names: Sequence[str], keys: Sequence[str], offsets: dict[int, tuple[int, int]],
+                 seg_bytes: Sequence[int], direct: bool, cap: int):
+        self.path = path
+        self._names = list(names)
+        self._keys = list(keys)
+        self._offsets = dict(offsets)
+        self._seg_bytes = list(seg_bytes)
+        self._direct = direct
+        self._cap = cap
+        self._buf: AlignedBuffer | None = None
+
+    def stream(self, pieces: Sequence[Piece], key: str) -> Iterator[torch.Tensor]:
+        """As :meth:`NvmeHome.stream`, from the copy, with a buffer of its own."""
+        s = 0 if key == "weight" else 1 + self._keys.index(key)
+        if self._buf is None:
+            self._buf = AlignedBuffer(self._cap)
+        for i, a0, nbytes, first, count in _requests(pieces, s, self._offsets, self._seg_bytes, self._buf.nbytes):
+            read_exact(os.path.join(self.path, self._names[i]), self._buf, nbytes, a0, self._direct)
+            yield self._buf.tensor[first : first + count]
+
+    def close(self) -> None:
+        if self._buf is not None:
+            self._buf.close()
+            self._buf = None
+        shutil.rmtree(self.path, ignore_errors=True)
 
 
 def expected_state_count(optimizer: torch.optim.Optimizer) -> int:

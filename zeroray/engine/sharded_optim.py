@@ -214,6 +214,14 @@ class GradShards:
         return self._made(self._source(g, lo, hi))
 
 
+@dataclass(frozen=True)
+class StateCopy:
+    """See :meth:`ShardedOptimizer.copy`; ``close()`` removes it."""
+
+    read: Callable[[FlatGroup, str], Iterator[torch.Tensor]]
+    close: Callable[[], None]
+
+
 class ShardedOptimizer:
     """The fp32 masters, gradients and torch optimizer of this rank's shards, stepped by sub-group.
 
@@ -307,6 +315,15 @@ class ShardedOptimizer:
                 yield self.home.states(piece, self.optimizer)[key]
         else:
             yield from self.home.stream(self.pieces_of[g], key, self.optimizer)
+
+    def copy(self) -> StateCopy | None:
+        """A copy of the masters and states that training may run past, read like :meth:`read`
+        (from one thread): the swap files copied on their disk. None where they are in memory (or
+        the disk has no room)."""
+        files = self.home.copy()
+        if files is None:
+            return None
+        return StateCopy(lambda g, key: files.stream(self.pieces_of[g], key), files.close)
 
     def scalars(self) -> list[dict[str, float]]:
         """Per param group, the optimizer's scalar states (e.g. Adam's step)."""

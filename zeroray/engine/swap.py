@@ -125,6 +125,11 @@ class SwapDir:
         if not self._direct:  # keep host memory bounded: the page cache must not hold the swap
             os.posix_fadvise(fd, offset, len(view), os.POSIX_FADV_DONTNEED)
 
+    def forget(self, prefix: str) -> None:
+        """Close the files whose names start with ``prefix`` (requests on them done)."""
+        for name in [n for n in self._fds if n.startswith(prefix)]:
+            os.close(self._fds.pop(name))
+
     def close(self) -> None:
         """Wait for requests in flight, close the files, remove the directory."""
         self._pool.shutdown(wait=True)
@@ -132,6 +137,23 @@ class SwapDir:
             os.close(fd)
         self._fds.clear()
         shutil.rmtree(self.path, ignore_errors=True)
+
+
+def read_exact(path: str, buf: AlignedBuffer, nbytes: int, offset: int, direct: bool) -> None:
+    """Read ``nbytes`` (aligned) of ``path`` at ``offset`` (aligned) into the start of ``buf``, in
+    the calling thread; a short read raises."""
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+    try:
+        view, done = buf.view[:nbytes], 0
+        while done < nbytes:
+            got = os.preadv(fd, [view[done:]], offset + done)
+            if got <= 0:
+                raise OSError(f"zeroray swap: short read of {path} at byte {offset + done} ({done} of {nbytes} bytes)")
+            done += got
+        if not direct:
+            os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
 
 
 def wait_all(futures: Sequence[Future]) -> None:
