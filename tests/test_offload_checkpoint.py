@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import zeroray
@@ -46,6 +47,8 @@ def _save_worker(rank: int, world: int, path: str, urls: dict[str, str], offload
         ckpt.save(engine, urls[name])
         saver.save(urls[name + "-async"])
     saver.wait()
+    if offload:  # the copy of the swap files an async save streamed from is gone once it is done
+        assert [f for f in os.listdir(engine.optim.home.swap.path) if not f.startswith("subgroup")] == []
     engine.close()
 
 
@@ -162,3 +165,37 @@ def test_nvme_save_and_load_peak_rss_is_bounded_by_the_pool_not_the_states(tmp_p
     bound = pool + 4 * 2 * (4 << 20)  # 70 MB, against 302 MB of states
     for what in ("save", "async_save", "load"):
         assert res[what][0] < bound, (what, res)
+
+
+def test_async_save_without_room_for_a_copy_streams_before_it_returns(tmp_path):
+    """An AsyncSaver copies the swap files on their disk; where the disk has no room for the copy
+    (a 32 MB tmpfs: less than the 64 MiB it keeps free), it streams the rank file from the swap
+    files before it returns, and the checkpoint is still the state of the call."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        torch.manual_seed(0)
+        model = TinyLM()
+        cfg = zeroray.ZeroConfig(stage=1, sub_group_size=50, offload_optimizer={"device": "nvme", "nvme_path": str(mnt)})
+        engine = zeroray.initialize(model, torch.optim.AdamW(param_groups(model), lr=LR), cfg)
+        try:
+            data = batches(0, 4)
+            for x, y in data[:2]:
+                engine.backward(engine(x, y))
+                engine.step()
+            ckpt.save(engine, str(tmp_path / "sync"))
+            saver = ckpt.AsyncSaver(engine)
+            saver.save(str(tmp_path / "async"))
+            files = sorted(os.listdir(engine.optim.home.swap.path))
+            assert files == [f"subgroup{i:05d}.swap" for i in range(len(engine.optim.sub_groups))]  # no copy
+            for x, y in data[2:]:
+                engine.backward(engine(x, y))
+                engine.step()
+            saver.wait()
+        finally:
+            engine.close()
+        assert _shard_bytes(str(tmp_path / "async"))[1] == _shard_bytes(str(tmp_path / "sync"))[1]
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
