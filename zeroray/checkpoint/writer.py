@@ -18,8 +18,10 @@ or a user's loop) — first copies the sections into its reusable host buffer (p
 only stall, then runs 3-4 in a background thread; rank 0's thread polls storage for the markers, so
 no collective runs off the main thread. ``saver.wait()`` (or its next save) joins it; on rank 0
 that means committed. With NVMe offload the states are in swap files, not in memory: copying them
-into a host buffer would hold the whole state there, so the saver streams this rank's file in the
-caller, through the swap buffers, and only rank 0's commit runs in the background.
+into a host buffer would hold the whole state there, so the saver copies the swap files on their
+disk (:meth:`ZeroEngine.copy_shard_state`) and the thread streams from that copy; where the disk
+has no room for one, this rank's file is streamed before ``save`` returns and only rank 0's commit
+runs in the background.
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from zeroray.engine.sharded_optim import Piece, SubGroup
 
 _F32 = 4
+_COPY_HEADROOM = 64 << 20  # bytes a copy of the swap files leaves free on their disk
 
 # ``fill(parts)``: write into each ``dest`` the values ``[lo, hi)`` of ``piece``'s ``key``, where lo/hi
 # count elements of the piece's group shard (the piece covers ``[piece.lo, piece.hi)`` of it).
@@ -202,7 +203,12 @@ class ResidentHome(StateHome):
 
 class NvmeHome(StateHome):
     """Masters and states in one swap file per sub-group: ``[master | state_1 | ... | state_K]``,
-    each segment ``aligned(numel * 4)`` bytes, pieces in order inside a segment."""
+    each segment ``aligned(numel * 4)`` bytes, pieces in order inside a segment.
+
+    Between steps the pool's buffers are idle, and checkpoints move the state through them:
+    :meth:`stream` reads a flat group's segment out of the files piece by piece (a save),
+    :meth:`load_stream` fills one sub-group's buffer and writes its file once (a load), and
+    :meth:`copy` copies the files on their disk for a save that training runs past."""
 
     in_memory = False
 
@@ -487,7 +493,7 @@ class NvmeHome(StateHome):
         self._drain()
         need = sum(s * b for s, b in zip(self._segs, self._seg_bytes))
         st = os.statvfs(self.swap.path)
-        if st.f_bavail * st.f_frsize < need + (64 << 20):
+        if st.f_bavail * st.f_frsize < need + _COPY_HEADROOM:
             return None
         sub = f"copy-{uuid.uuid4().hex[:8]}"
         os.makedirs(os.path.join(self.swap.path, sub))

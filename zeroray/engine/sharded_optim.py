@@ -342,11 +342,11 @@ class ShardedOptimizer:
         optimizer states (none: fresh); ``scalars`` per param group. In memory the state tensors are
         taken over where they fit; swap files are each written once."""
         if not self.home.in_memory:
-            def copy(parts: list[tuple[FlatGroup, str, int, int, torch.Tensor]]) -> None:
+            def take(parts: list[tuple[FlatGroup, str, int, int, torch.Tensor]]) -> None:
                 for g, k, lo, hi, dest in parts:
                     dest.copy_(tensors[g][k].reshape(-1)[lo:hi])
 
-            return self.load_stream({g: list(tensors[g]) for g in self.groups}, copy, scalars)
+            return self.load_stream({g: list(tensors[g]) for g in self.groups}, take, scalars)
         for g in self.groups:
             weight = tensors[g]["weight"].reshape(-1)
             states = {k: v.reshape(-1) for k, v in tensors[g].items() if k != "weight"}
