@@ -154,7 +154,8 @@ def test_nvme_save_and_load_peak_rss_is_bounded_by_the_pool_not_the_states(tmp_p
     process by more than the pool plus its working set, far below the states. The working set is
     the checkpoint reader's: the 4 MiB checksum chunks a sub-group's ranges only partly cover are
     read into scratch, at most 2 per range read and 4 range reads in flight (32 MiB). Measured
-    here: save +0.3 MB, AsyncSaver save +0.05 MB, load +25 MB. Before streaming, a save read every
+    here: save +0.3 MB, AsyncSaver save +4 MB (its copy of the swap files is read back through a
+    buffer of its own), load +25 MB. Before streaming, a save read every
     swap file into fresh tensors (+319 MB) and a load read the whole checkpoint into memory
     (+315 MB)."""
     (tmp_path / "swap").mkdir()
@@ -199,3 +200,39 @@ def test_async_save_without_room_for_a_copy_streams_before_it_returns(tmp_path):
         assert _shard_bytes(str(tmp_path / "async"))[1] == _shard_bytes(str(tmp_path / "sync"))[1]
     finally:
         subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_nvme_load_writes_each_swap_file_once_and_reads_none(tmp_path):
+    """A load into an NVMe-offloaded engine fills each sub-group's buffer from the checkpoint and
+    writes its file once: swap bytes written = the files' size, swap bytes read = 0 (before, each
+    piece read and rewrote its sub-group's whole file). The same for state handed over in memory
+    (``load_shard_state``: in-memory snapshots, pretrained weights)."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    engine = zeroray.initialize(model, torch.optim.AdamW(param_groups(model), lr=LR), zeroray.ZeroConfig(stage=1))
+    for x, y in batches(0, 2):
+        engine.backward(engine(x, y))
+        engine.step()
+    url = str(tmp_path / "ckpt")
+    ckpt.save(engine, url)
+    want = {g.name: {k: v.clone() for k, v in g.tensors.items()} for g in engine.shard_state()}
+    meta = engine.state_meta()
+    engine.close()
+
+    torch.manual_seed(1)
+    model = TinyLM()
+    cfg = zeroray.ZeroConfig(stage=1, sub_group_size=45, offload_optimizer={"device": "nvme", "nvme_path": str(tmp_path)})
+    nvme = zeroray.initialize(model, torch.optim.AdamW(param_groups(model), lr=LR), cfg)
+    assert max(len(s.pieces) for s in nvme.optim.sub_groups) > 1
+    for load in (lambda: ckpt.load(nvme, url), lambda: nvme.load_shard_state(want, meta)):
+        before = nvme.optim.io_report()
+        load()
+        after = nvme.optim.io_report()
+        assert after["bytes_read"] == before["bytes_read"]
+        assert after["bytes_written"] - before["bytes_written"] == nvme.memory_report()["nvme"]
+        got = {g.name: g.tensors for g in nvme.shard_state()}
+        for name, tensors in want.items():
+            assert got[name].keys() == tensors.keys()
+            for k, v in tensors.items():
+                assert torch.equal(got[name][k], v), (name, k)
+    nvme.close()
