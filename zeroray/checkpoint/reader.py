@@ -10,6 +10,10 @@ tensors (bytes nobody asked for go to a scratch buffer), then its chunks are che
 same buffers — no intermediate copy; elsewhere (object stores) a run is one range request, verified,
 then copied into place. Nothing is unpickled: the manifest is JSON, tensors are raw little-endian
 numbers.
+
+The destinations are the engine's (:meth:`ZeroEngine.load_shard_stream`): whole fresh tensors,
+all read before anything is installed, when the optimizer states live in memory; with NVMe offload,
+one sub-group's swap buffer at a time, each swap file written once.
 """
 
 from __future__ import annotations
@@ -41,7 +45,8 @@ from zeroray.checkpoint.manifest import (
     verify_chunks,
 )
 from zeroray.checkpoint.storage import join_url, open_url, read_manifest
-from zeroray.engine import GroupShard, ZeroEngine, layout
+from zeroray.engine import ZeroEngine, layout
+from zeroray.engine.engine import GroupSource, ShardRange
 
 _MAX_RUN = 64 << 20  # bytes per range read
 _INFLIGHT = 4  # range reads in flight at once
@@ -263,7 +268,7 @@ def _keys(ckpt: CheckpointReader, slots: list[layout.TensorSlot], trainable: boo
     return list(found.pop())
 
 
-def _check_names(ckpt: CheckpointReader, states: list[GroupShard]) -> None:
+def _check_names(ckpt: CheckpointReader, states: list[GroupSource]) -> None:
     names = {s.name: s.shape for g in states for s in g.slots}
     missing = sorted(names.keys() - ckpt.params.keys())
     unexpected = sorted(ckpt.params.keys() - names.keys())
@@ -291,26 +296,18 @@ def load(engine: ZeroEngine, url: str, *, storage_options: dict[str, Any] | None
     Per-rank RNG state is restored at the world size that saved it; at another world size each rank
     is reseeded with ``(global_step << 16) + rank`` instead. Returns the manifest. (Join your
     :class:`~zeroray.checkpoint.AsyncSaver` first if it may still be writing this checkpoint.)
+
+    The shards are read into destinations the engine hands out (:meth:`ZeroEngine.load_shard_stream`):
+    whole tensors when its states live in memory, one sub-group's swap buffer at a time with NVMe
+    offload, so a load never holds the whole state in host memory there.
     """
     ckpt = CheckpointReader(url, storage_options)
-    states = engine.shard_state()
-    _check_names(ckpt, states)
-    requests: list[Request] = []
-    tensors: dict[str, dict[str, torch.Tensor]] = {}
-    for gs in states:
-        keys = _keys(ckpt, gs.slots, gs.param_group is not None)
-        out = {k: torch.empty(gs.hi - gs.lo, dtype=torch.float32) for k in keys}
-        for t in out.values():  # every element up to numel belongs to a tensor; the rest is padding
-            t[max(0, gs.numel - gs.lo) :].zero_()
-        for p in layout.pieces(gs.slots, gs.lo, gs.hi):
-            group, slot = ckpt.params[p.name]
-            lo = slot.offset + p.t_lo
-            for k in keys:
-                dest = out[k][p.f_lo - gs.lo : p.f_hi - gs.lo]
-                requests += ckpt.flat_requests(group, k, lo, lo + p.numel, dest)
-        tensors[gs.name] = out
+    groups = {gs.name: gs for gs in engine.stream_shard_state()}
+    _check_names(ckpt, list(groups.values()))
+    keys = {name: _keys(ckpt, gs.slots, gs.param_group is not None) for name, gs in groups.items()}
 
     same_world = ckpt.manifest.world_size == engine.world_size
+    requests: list[Request] = []
     rng: dict[str, torch.Tensor] = {}
     for f, s in ckpt.sections("rng"):
         if same_world and f.rank == engine.rank:
@@ -324,12 +321,29 @@ def load(engine: ZeroEngine, url: str, *, storage_options: dict[str, Any] | None
         req, buf = _raw_section(f, s)
         requests.append(req)
         saved_buffers.append((s, buf))
-
     ckpt.read(requests)
 
+    def fill(ranges: list[ShardRange]) -> None:
+        ckpt.read([req for r in ranges for req in _shard_requests(ckpt, groups[r.group], r)])
+
     saved = {s.name: buf.view(DTYPES[s.dtype]).reshape(s.shape) for s, buf in saved_buffers}
-    install(engine, tensors, ckpt.manifest.meta, saved, rng if same_world else None)
+    engine.load_shard_stream(keys, fill, ckpt.manifest.meta)  # in memory: a failed read changes nothing
+    _install_buffers(engine, saved)
+    _set_rng(engine, ckpt.manifest.meta, rng if same_world else None)
     return ckpt.manifest
+
+
+def _shard_requests(ckpt: CheckpointReader, gs: GroupSource, r: ShardRange) -> list[Request]:
+    """Reads that fill ``r.dest`` with elements ``[r.lo, r.hi)`` of this rank's shard of ``gs``
+    (zeros past the group's end: padding belongs to no tensor)."""
+    a, b = gs.lo + r.lo, gs.lo + r.hi
+    r.dest[max(0, min(b, gs.numel) - a) :].zero_()
+    out = []
+    for p in layout.pieces(gs.slots, a, b):
+        group, slot = ckpt.params[p.name]
+        lo = slot.offset + p.t_lo
+        out += ckpt.flat_requests(group, r.key, lo, lo + p.numel, r.dest[p.f_lo - a : p.f_hi - a])
+    return out
 
 
 def install(
@@ -343,11 +357,19 @@ def install(
     shards and ``meta`` (:meth:`ZeroEngine.load_shard_state`), the module's buffers, and this rank's RNG
     state. ``rng`` None (state saved at another world size, where no rank's stream continues this one's):
     the rank is reseeded with ``(global_step << 16) + rank`` instead."""
+    _install_buffers(engine, buffers)
+    engine.load_shard_state(tensors, meta)
+    _set_rng(engine, meta, rng)
+
+
+def _install_buffers(engine: ZeroEngine, buffers: dict[str, torch.Tensor]) -> None:
     live = dict(engine.module.named_buffers())
     with torch.no_grad():
         for name, value in buffers.items():
             live[name].copy_(value)
-    engine.load_shard_state(tensors, meta)
+
+
+def _set_rng(engine: ZeroEngine, meta: dict[str, Any], rng: dict[str, torch.Tensor] | None) -> None:
     if rng is not None:
         torch.set_rng_state(rng["cpu"])
         if "cuda" in rng and engine.device.type == "cuda":

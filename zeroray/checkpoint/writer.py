@@ -6,7 +6,9 @@ A save, on every rank:
    went well;
 2. pick its sections: its slice of every flat group ("weight" and each optimizer state, fp32), its
    RNG state, and on rank 0 the model's persistent buffers. At stage 0 every rank holds every group,
-   so group ``i`` is written only by rank ``i % world_size``;
+   so group ``i`` is written only by rank ``i % world_size``. A section is a producer of its bytes
+   (:meth:`ZeroEngine.stream_shard_state`): the live tensors when the states are in memory, bounded
+   reads of the swap files through the engine's swap buffers with NVMe offload;
 3. write ``rank-NNNNN.bin`` through fsspec, hashing 4 MiB chunks while writing, then its marker;
 4. rank 0 commits (see :mod:`zeroray.checkpoint.commit`) and, if asked, applies retention.
 
@@ -15,13 +17,19 @@ commit. An :class:`AsyncSaver` — an object held by whoever saves (the trainer'
 or a user's loop) — first copies the sections into its reusable host buffer (pinned on GPU), the
 only stall, then runs 3-4 in a background thread; rank 0's thread polls storage for the markers, so
 no collective runs off the main thread. ``saver.wait()`` (or its next save) joins it; on rank 0
-that means committed.
+that means committed. With NVMe offload the states are in swap files, not in memory: copying them
+into a host buffer would hold the whole state there, so the saver copies the swap files on their
+disk (:meth:`ZeroEngine.copy_shard_state`) and the thread streams from that copy; where the disk
+has no room for one, this rank's file is streamed before ``save`` returns and only rank 0's commit
+runs in the background.
 """
 
 from __future__ import annotations
 
+import functools
 import posixpath
 import threading
+from collections.abc import Callable, Generator, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +56,7 @@ from zeroray.checkpoint.manifest import (
 )
 from zeroray.checkpoint.storage import apply_retention, delete_checkpoint, open_url, parent_url
 from zeroray.engine import ZeroEngine
+from zeroray.engine.engine import ShardStateCopy
 
 _WRITE_STEP = 4 << 20  # bytes handed to f.write at a time, hashed meanwhile in another thread
 
@@ -73,8 +82,18 @@ class SaveHandle:
 
 @dataclass
 class _Section:
+    """A section of this rank's file and where its bytes come from: ``read()`` yields its tensors
+    in order; ``in_memory``: they are live tensors (False: streamed from swap files through the
+    engine's bounded buffers, each valid until the next is asked for)."""
+
     entry: SectionEntry  # "offset" and "nbytes" are set by _plan
-    tensor: torch.Tensor = field(repr=False)
+    read: Callable[[], Iterable[torch.Tensor]] = field(repr=False)
+    nbytes: int
+    in_memory: bool = True
+
+    @classmethod
+    def of(cls, entry: SectionEntry, t: torch.Tensor) -> _Section:
+        return cls(entry, lambda: (t,), t.numel() * t.element_size())
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:
@@ -89,30 +108,30 @@ def _plan(engine: ZeroEngine) -> tuple[list[GroupEntry], list[_Section]]:
     """The rank-independent group table and this rank's sections, laid out in file order."""
     rank, world = engine.rank, engine.world_size
     groups, sections = [], []
-    for i, g in enumerate(engine.shard_state()):
+    for i, g in enumerate(engine.stream_shard_state()):
         slots = [SlotEntry(s.name, list(s.shape), s.offset) for s in g.slots]
-        groups.append(GroupEntry(g.name, g.numel, g.shard_world, g.param_group, "float32", sorted(g.tensors), slots))
+        groups.append(GroupEntry(g.name, g.numel, g.shard_world, g.param_group, "float32", sorted(g.keys), slots))
         writer = i % world if g.shard_world == 1 else rank
         if writer != rank:
             continue
-        for key in sorted(g.tensors):
+        for key in sorted(g.keys):
             entry = SectionEntry("shard", "float32", group=g.name, key=key, shard=g.shard_rank)
-            sections.append(_Section(entry, g.tensors[key].float()))
-    sections.append(_Section(SectionEntry("rng", "uint8", key="cpu"), torch.get_rng_state()))
+            sections.append(_Section(entry, functools.partial(g.read, key), 4 * (g.hi - g.lo), g.in_memory))
+    sections.append(_Section.of(SectionEntry("rng", "uint8", key="cpu"), torch.get_rng_state()))
     if engine.device.type == "cuda":
         rng = torch.cuda.get_rng_state(engine.device)
-        sections.append(_Section(SectionEntry("rng", "uint8", key="cuda"), rng))
+        sections.append(_Section.of(SectionEntry("rng", "uint8", key="cuda"), rng))
     if rank == 0:
         buffers = dict(engine.module.named_buffers())
         for name in engine.module.state_dict(keep_vars=True):
             if name in buffers:
                 b = buffers[name]
                 entry = SectionEntry("buffer", _dtype_name(b), name=name, shape=list(b.shape))
-                sections.append(_Section(entry, b))
+                sections.append(_Section.of(entry, b))
     pos = 0
     for s in sections:
         s.entry.offset = aligned(pos)
-        s.entry.nbytes = s.tensor.numel() * s.tensor.element_size()
+        s.entry.nbytes = s.nbytes
         pos = s.entry.offset + s.entry.nbytes
     return groups, sections
 
@@ -121,12 +140,35 @@ def _file_size(sections: list[_Section]) -> int:
     return sections[-1].entry.offset + sections[-1].entry.nbytes
 
 
-def _views(sections: list[_Section]) -> list[tuple[int, memoryview]]:
-    """Sync save: write straight from the tensors (CPU ones without a copy)."""
-    return [(s.entry.offset, memoryview(_raw(s.tensor).cpu().numpy())) for s in sections]
+def _chunks(s: _Section) -> Iterator[torch.Tensor]:
+    """The section's bytes as uint8 tensors, checked to add up to its size (a short stream is an error)."""
+    done = 0
+    parts = iter(s.read())
+    try:
+        for t in parts:
+            cast = s.entry.kind == "shard" and t.dtype.is_floating_point and t.dtype != torch.float32
+            raw = _raw(t.float() if cast else t)
+            done += raw.numel()
+            if done > s.nbytes:
+                break
+            yield raw
+    finally:  # a stream abandoned half-way (a failed write) waits for its reads and frees its buffers
+        if isinstance(parts, Generator):
+            parts.close()
+    if done != s.nbytes:
+        raise CheckpointError(f"section {s.entry} produced {done} bytes, not {s.nbytes}")
 
 
-def _write_file(fs: AbstractFileSystem, path: str, pieces: list[tuple[int, memoryview]]) -> list[str]:
+def _views(sections: list[_Section]) -> Iterator[tuple[int, memoryview]]:
+    """Sync save: write straight from the tensors (CPU ones without a copy), one piece at a time."""
+    for s in sections:
+        off = s.entry.offset
+        for raw in _chunks(s):
+            yield off, memoryview(raw.cpu().numpy())
+            off += raw.numel()
+
+
+def _write_file(fs: AbstractFileSystem, path: str, pieces: Iterable[tuple[int, memoryview]]) -> list[str]:
     """Stream ``pieces`` (file offset, bytes) to ``path``, zero-filling gaps; returns chunk checksums."""
     hasher = ChunkHasher(CHUNK_BYTES, ALGORITHM)
     pos = 0
@@ -146,7 +188,7 @@ def _write_file(fs: AbstractFileSystem, path: str, pieces: list[tuple[int, memor
 
 
 def _write_rank(
-    fs: AbstractFileSystem, path: str, rank: int, sections: list[_Section], pieces: list[tuple[int, memoryview]]
+    fs: AbstractFileSystem, path: str, rank: int, sections: list[_Section], pieces: Iterable[tuple[int, memoryview]]
 ) -> None:
     """This rank's file, then its marker carrying the file's manifest entry."""
     name = rank_file(rank)
@@ -219,6 +261,20 @@ def save(
     return SaveHandle(url)
 
 
+def _copy_of(engine: ZeroEngine, sections: list[_Section]) -> ShardStateCopy | None:
+    """Point the streamed sections at a copy of the engine's swap files (None: no room for one)."""
+    try:
+        copy = engine.copy_shard_state()
+    except OSError:  # the copy failed: stream from the swap files instead, where a broken disk shows
+        return None
+    if copy is not None:
+        by_name = {g.name: g for g in copy.groups}
+        for s in sections:
+            if not s.in_memory:
+                s.read = functools.partial(by_name[s.entry.group].read, s.entry.key)
+    return copy
+
+
 class AsyncSaver:
     """Background saves of one engine, one in flight at a time, through a reusable host buffer.
 
@@ -252,40 +308,66 @@ class AsyncSaver:
         engine, rank = self.engine, self.engine.rank
         previous = attempt(self.wait)
         fs, path, sections, commit = _start(engine, url, previous, storage_options, num_to_keep, commit_timeout)
-        pieces = self._snapshot(sections, engine.device)
         handle = SaveHandle(url)
 
-        def upload() -> None:
+        def write(pieces: Iterable[tuple[int, memoryview]]) -> bool:
             try:
                 _write_rank(fs, path, rank, sections, pieces)
             except Exception as e:
                 handle.error = e
                 msg = f"{type(e).__name__}: {e}"
                 attempt(lambda: protocol.write_error_marker(fs, path, rank, msg))
-                return
-            if commit is not None:
-                try:
+                return False
+            return True
+
+        copy, written = None, None
+        if not all(s.in_memory for s in sections):
+            # NVMe offload: the states are in swap files, not in memory, and a snapshot of them in host
+            # memory would hold the whole state. They are copied on their disk instead, through the
+            # swap buffers, and the file is streamed from that copy in the background.
+            copy = _copy_of(engine, sections)
+            if copy is None:
+                # No room on the disk for a copy: this rank's file is streamed now, from the swap files
+                # (the next step rewrites them), and only rank 0's commit runs in the background.
+                written = write(_views(sections))
+        pieces = _views(self._snapshot(sections, engine.device)) if written is None else None
+
+        def upload() -> None:
+            try:
+                if (written if pieces is None else write(pieces)) and commit is not None:
                     commit.run(fs, path, url)
-                except Exception as e:
-                    handle.error = e
+            except Exception as e:
+                handle.error = e
+            finally:
+                if copy is not None:
+                    copy.close()
 
         handle._thread = threading.Thread(target=upload, name=f"zeroray-save-rank{rank}", daemon=True)
         handle._thread.start()
         self._inflight = handle
         return handle
 
-    def _snapshot(self, sections: list[_Section], device: torch.device) -> list[tuple[int, memoryview]]:
-        """Copy every section into the host buffer, laid out exactly as the file."""
-        total = _file_size(sections)
+    def _snapshot(self, sections: list[_Section], device: torch.device) -> list[_Section]:
+        """Copy the sections held in memory into the host buffer, back to back; the sections that
+        stream (from a copy of the swap files) are left as they are."""
+        held = [s for s in sections if s.in_memory]
+        starts, total = [], 0
+        for s in held:
+            starts.append(total)
+            total = aligned(total + s.nbytes)
         if self._buffer is None or self._buffer.numel() < total:
             self._buffer = torch.empty(total, dtype=torch.uint8, pin_memory=device.type == "cuda")
-        buf = self._buffer[:total]
-        pos = 0
+        out, copied = [], dict(zip(map(id, held), starts))
         for s in sections:
-            off = s.entry.offset
-            buf[pos:off].zero_()
-            buf[off : off + s.entry.nbytes].copy_(_raw(s.tensor), non_blocking=True)
-            pos = off + s.entry.nbytes
+            if not s.in_memory:
+                out.append(s)
+                continue
+            pos = start = copied[id(s)]
+            for raw in _chunks(s):
+                self._buffer[pos : pos + raw.numel()].copy_(raw, non_blocking=True)
+                pos += raw.numel()
+            view = self._buffer[start : start + s.nbytes]
+            out.append(_Section(s.entry, lambda v=view: (v,), s.nbytes))
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        return [(0, memoryview(buf.numpy()))]
+        return out

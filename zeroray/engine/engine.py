@@ -16,9 +16,11 @@ built on the meta device is initialized instead, the same on every rank, with no
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import weakref
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -63,6 +65,46 @@ class GroupShard:
     hi: int
     param_group: int | None  # optimizer param group, None = frozen
     tensors: dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class GroupSource:
+    """One rank's part of one logical flat group, read on demand (:meth:`ZeroEngine.stream_shard_state`):
+    a :class:`GroupShard` whose tensors are produced piece by piece instead of held."""
+
+    name: str
+    slots: list[TensorSlot]
+    numel: int
+    shard_world: int
+    shard_rank: int
+    lo: int
+    hi: int
+    param_group: int | None
+    keys: tuple[str, ...]  # "weight" and the elementwise optimizer states the group has now
+    in_memory: bool  # read() yields live tensors; False: swap buffers, each valid until the next is asked for
+    # read(key): the shard of ``key`` as consecutive 1-D fp32 tensors, ``hi - lo`` elements in all
+    read: Callable[[str], Iterator[torch.Tensor]] = field(repr=False)
+
+
+@dataclass(frozen=True)
+class ShardStateCopy:
+    """A copy of this rank's shard state that training may run past (:meth:`ZeroEngine.copy_shard_state`)."""
+
+    groups: list[GroupSource]
+    close: Callable[[], None]  # removes the copy
+
+
+@dataclass(frozen=True)
+class ShardRange:
+    """Elements ``[lo, hi)`` of this rank's shard of group ``group``'s ``key`` (counted from the
+    shard's start, the padded group's element ``GroupShard.lo``), to be written into ``dest``
+    (``hi - lo`` fp32 elements in host memory) by :meth:`ZeroEngine.load_shard_stream`'s ``fill``."""
+
+    group: str
+    key: str
+    lo: int
+    hi: int
+    dest: torch.Tensor
 
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -122,10 +164,10 @@ class ZeroEngine:
         if config.offload_optimizer.device == "nvme":
             path = config.offload_optimizer.nvme_path
             need[path] = need.get(path, 0) + _swap_bytes(model, template, world, config.sub_group_size)
-        for field in ("offload_optimizer", "offload_param"):
-            block = getattr(config, field)
+        for name in ("offload_optimizer", "offload_param"):
+            block = getattr(config, name)
             if block.device == "nvme":
-                check_nvme_path(block.nvme_path, f"{field}.nvme_path", need[block.nvme_path])
+                check_nvme_path(block.nvme_path, f"{name}.nvme_path", need[block.nvme_path])
 
         self.module = model
         self.stage = config.stage
@@ -422,7 +464,9 @@ class ZeroEngine:
 
         Each tensor is 1-D with ``hi - lo`` elements (padding included): the fp32 weights under
         "weight", and each elementwise optimizer state (e.g. Adam's "exp_avg") under its key.
-        The tensors are live; copy them before training goes on.
+        The tensors are live; copy them before training goes on. With NVMe offload they are read
+        from the swap files into fresh tensors, the whole state at once: to stream it through
+        bounded buffers instead, use :meth:`stream_shard_state`.
         """
         out = []
         for g in self.groups:
@@ -453,6 +497,36 @@ class ZeroEngine:
             "precision": self.config.precision.name,
         }
 
+    def stream_shard_state(self) -> list[GroupSource]:
+        """This rank's slices of every logical flat group, as :meth:`shard_state` but read on demand:
+        nothing is read until a group's ``read(key)`` is iterated, and then only one bounded piece
+        at a time where the states live in swap files (NVMe offload). What a checkpoint save
+        streams; its metadata is what a load needs to plan its reads."""
+        out = []
+        for g in self.groups:
+            keys = ("weight", *self.optim.state_keys(g)) if g.trainable else ("weight",)
+            out.append(GroupSource(
+                g.name, g.slots, g.numel, g.shard_world, g.shard_rank, g.lo, g.hi, g.param_group, keys,
+                self.optim.in_memory or not g.trainable, functools.partial(self.optim.read, g),
+            ))
+        return out
+
+    def copy_shard_state(self) -> ShardStateCopy | None:
+        """What :meth:`stream_shard_state` reads, copied now so that training may run past it (a
+        save in the background): with NVMe offload, the swap files copied on their disk through the
+        swap buffer pool (no host memory added), then read from one thread through a buffer of
+        ``offload_io.block_size`` bytes; ``close()`` removes the copy. None where the optimizer
+        states live in memory (copy the live tensors instead) or the disk has no room for a copy.
+        Frozen groups' sources stay live tensors (``in_memory``)."""
+        copy = self.optim.copy()
+        if copy is None:
+            return None
+        groups = [
+            dataclasses.replace(src, read=functools.partial(copy.read, g), in_memory=False) if g.trainable else src
+            for g, src in zip(self.groups, self.stream_shard_state(), strict=True)
+        ]
+        return ShardStateCopy(groups, copy.close)
+
     def load_shard_state(self, tensors: dict[str, dict[str, torch.Tensor]], meta: dict[str, Any]) -> None:
         """Collective: install shards (keyed like :meth:`shard_state`, for *this* engine's groups)
         and ``meta``, then rebuild every rank's parameters from the loaded weights.
@@ -461,15 +535,44 @@ class ZeroEngine:
         already fit): hand it tensors nobody else writes to."""
         with torch.no_grad():
             for g in self.groups:
-                mine = tensors[g.name]
-                weight = mine["weight"].reshape(-1)
                 if not g.trainable:
-                    g.write_shard(0, g.shard_numel, weight)
-                    continue
-                gi = g.param_group
-                states = {k: v.reshape(-1) for k, v in mine.items() if k != "weight"}
-                self.optim.load(g, weight, states, meta.get("optimizer_scalars", [{}] * (gi + 1))[gi])
+                    g.write_shard(0, g.shard_numel, tensors[g.name]["weight"].reshape(-1))
+            self.optim.load({g: tensors[g.name] for g in self.optim.groups}, self._scalars(meta))
             self._publish(self.groups)
+        self._load_meta(meta)
+
+    def load_shard_stream(
+        self, keys: dict[str, Sequence[str]], fill: Callable[[list[ShardRange]], None], meta: dict[str, Any]
+    ) -> None:
+        """Collective: as :meth:`load_shard_state`, but the engine asks ``fill`` for the values, into
+        destinations of its own: ``keys[group]`` names what to load ("weight" and the optimizer
+        states; "weight" alone leaves the states fresh). With the states in memory, one call asks
+        for everything before anything changes (a failed read leaves the engine as it was); with
+        NVMe offload, one call per sub-group fills the swap buffers and each file is written once,
+        so host memory stays bounded by the buffer pool (a failed read leaves part of the state
+        loaded: load again)."""
+        frozen = [g for g in self.groups if not g.trainable]
+        weights = {g: torch.empty(g.shard_numel, dtype=torch.float32) for g in frozen}
+
+        def ranges(parts: list[tuple[FlatGroup, str, int, int, torch.Tensor]]) -> list[ShardRange]:
+            return [ShardRange(g.name, k, lo, hi, dest) for g, k, lo, hi, dest in parts]
+
+        with torch.no_grad():
+            if weights:
+                fill(ranges([(g, "weight", 0, g.shard_numel, t) for g, t in weights.items()]))
+            self.optim.load_stream(
+                {g: keys[g.name] for g in self.optim.groups}, lambda parts: fill(ranges(parts)), self._scalars(meta)
+            )
+            for g, t in weights.items():
+                g.write_shard(0, g.shard_numel, t)
+            self._publish(self.groups)
+        self._load_meta(meta)
+
+    def _scalars(self, meta: dict[str, Any]) -> list[dict[str, float]]:
+        saved = meta.get("optimizer_scalars") or []
+        return [saved[i] if i < len(saved) else {} for i in range(len(self.optimizer.param_groups))]
+
+    def _load_meta(self, meta: dict[str, Any]) -> None:
         # Hyperparameters an LR scheduler changed (lr, ...), as torch's Optimizer.load_state_dict does.
         for group, saved in zip(self.optimizer.param_groups, meta.get("param_groups", [])):
             for k, v in saved.items():

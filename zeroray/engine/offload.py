@@ -16,7 +16,10 @@ and never knows which one it has.
 
 from __future__ import annotations
 
+import os
+import shutil
 import time
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
@@ -24,12 +27,17 @@ from typing import TYPE_CHECKING
 import torch
 
 from zeroray.engine.flat_group import FlatGroup
-from zeroray.engine.swap import ALIGN, AlignedBuffer, SwapDir, aligned, wait_all
+from zeroray.engine.swap import ALIGN, AlignedBuffer, SwapDir, aligned, read_exact, wait_all
 
 if TYPE_CHECKING:
     from zeroray.engine.sharded_optim import Piece, SubGroup
 
 _F32 = 4
+_COPY_HEADROOM = 64 << 20  # bytes a copy of the swap files leaves free on their disk
+
+# ``fill(parts)``: write into each ``dest`` the values ``[lo, hi)`` of ``piece``'s ``key``, where lo/hi
+# count elements of the piece's group shard (the piece covers ``[piece.lo, piece.hi)`` of it).
+Fill = Callable[[list[tuple["Piece", str, int, int, torch.Tensor]]], None]
 
 
 def elementwise_states(state: dict, numel: int) -> dict[str, torch.Tensor]:
@@ -81,6 +89,30 @@ class StateHome:
     def load(self, piece: Piece, weight: torch.Tensor, states: dict[str, torch.Tensor], scalars: dict[str, float],
              optimizer: torch.optim.Optimizer) -> None:
         raise NotImplementedError
+
+    # Homes that keep masters and states out of memory (``in_memory`` False) move them through their
+    # own bounded buffers instead of whole tensors: ``state_keys``/``stream`` to read, ``load_stream`` to write.
+    in_memory = True
+
+    def state_keys(self, piece: Piece, optimizer: torch.optim.Optimizer) -> list[str]:
+        """Names of ``piece``'s elementwise optimizer states (none before its first step), sorted."""
+        return sorted(self.states(piece, optimizer))
+
+    def stream(self, pieces: Sequence[Piece], key: str, optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+        """``pieces``' values of ``key`` ("weight": the master) in order, as consecutive 1-D fp32
+        tensors; each is valid until the next one is asked for."""
+        raise NotImplementedError
+
+    def load_stream(self, subs: Sequence[SubGroup], keys: Callable[[Piece], Sequence[str]], fill: Fill,
+                    scalars: Callable[[Piece], dict[str, float]], optimizer: torch.optim.Optimizer) -> None:
+        """Install every piece's ``keys(piece)`` ("weight" and the states it was saved with, or
+        "weight" alone: fresh states) from values ``fill`` writes into the home's buffers."""
+        raise NotImplementedError
+
+    def copy(self) -> SwapCopy | None:
+        """A copy of the masters and states on disk that training may run past (None: they are not
+        in files, or the disk has no room for a copy)."""
+        return None
 
     def set_master(self, piece: Piece, values: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
         raise NotImplementedError
@@ -246,7 +278,14 @@ class ResidentHome(StateHome):
 
 class NvmeHome(StateHome):
     """Masters and states in one swap file per sub-group: ``[master | state_1 | ... | state_K]``,
-    each segment ``aligned(numel * 4)`` bytes, pieces in order inside a segment."""
+    each segment ``aligned(numel * 4)`` bytes, pieces in order inside a segment.
+
+    Between steps the pool's buffers are idle, and checkpoints move the state through them:
+    :meth:`stream` reads a flat group's segment out of the files piece by piece (a save),
+    :meth:`load_stream` fills one sub-group's buffer and writes its file once (a load), and
+    :meth:`copy` copies the files on their disk for a save that training runs past."""
+
+    in_memory = False
 
     def __init__(self, swap: SwapDir, buffer_count: int, host_device: torch.device, expected_states: int):
         self.swap = swap
@@ -443,6 +482,9 @@ class NvmeHome(StateHome):
                 buf.close()
         return out
 
+    def state_keys(self, piece: Piece, optimizer: torch.optim.Optimizer) -> list[str]:
+        return list(self.keys or ()) if optimizer.state.get(piece.param) else []
+
     def states(self, piece: Piece, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
         if not optimizer.state.get(piece.param) or not self.keys:
             return {}
@@ -452,6 +494,122 @@ class NvmeHome(StateHome):
             return {k: self._segment(buf, i, s)[off : off + piece.numel].clone() for s, k in enumerate(self.keys, start=1)}
         finally:
             buf.close()
+
+    def _segment_index(self, key: str) -> int:
+        return 0 if key == "weight" else 1 + (self.keys or []).index(key)
+
+    def stream(self, pieces: Sequence[Piece], key: str, optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+        """Read the pieces' segment ``key`` from their files through the pool's buffers (idle between
+        steps), in aligned requests of at most a buffer each; the read of the next request runs
+        while the caller uses the current one."""
+        self._drain()
+        cap = min(b.nbytes for b in self._bufs)
+        parts = _requests(pieces, self._segment_index(key), self._offsets, self._seg_bytes, cap)
+        n = len(self._bufs)
+        inflight: dict[int, list[Future]] = {}
+
+        def start(j: int) -> None:
+            i, a0, nbytes, _, _ = parts[j]
+            inflight[j] = self.swap.read(self._name(i), self._bufs[j % n], nbytes, a0)
+
+        try:
+            if parts:
+                start(0)
+            for j, (_, _, _, first, count) in enumerate(parts):
+                if n > 1 and j + 1 < len(parts):
+                    start(j + 1)
+                wait_all(inflight.pop(j))
+                yield self._bufs[j % n].tensor[first : first + count]
+                if n == 1 and j + 1 < len(parts):
+                    start(j + 1)
+        finally:  # abandoned half-way: no read may land in a buffer the next step uses
+            for futures in inflight.values():
+                for f in futures:
+                    f.exception()
+
+    def load_stream(self, subs: Sequence[SubGroup], keys: Callable[[Piece], Sequence[str]], fill: Fill,
+                    scalars: Callable[[Piece], dict[str, float]], optimizer: torch.optim.Optimizer) -> None:
+        """Each sub-group's file written once: its pieces' values filled into a pool buffer, the
+        masters copied into the compute shards, the buffer written while the next one fills."""
+        wanted = {id(p.param): sorted(k for k in keys(p) if k != "weight") for sub in subs for p in sub.pieces}
+        found = next((w for w in wanted.values() if w), None)
+        for w in wanted.values():  # checked before anything is written
+            if w and w != (self.keys or found):
+                raise ValueError(f"optimizer states {w} do not match this optimizer's {self.keys or found}")
+        if found and self.keys is None:
+            self.keys = found
+            self._ensure_capacity()
+        self._drain()
+        n = len(self._bufs)
+        for sub in subs:
+            i, b = sub.index, sub.index % n
+            self._wait_buffer(b)
+            buf = self._bufs[b]
+            parts = []
+            for piece in sub.pieces:
+                _, off = self._offsets[id(piece.param)]
+                for k in ["weight", *wanted[id(piece.param)]]:
+                    dest = self._segment(buf, i, self._segment_index(k))[off : off + piece.numel]
+                    parts.append((piece, k, piece.lo, piece.hi, dest))
+            fill(parts)
+            for piece in sub.pieces:
+                _, off = self._offsets[id(piece.param)]
+                piece.group.write_shard(piece.lo, piece.hi, self._segment(buf, i, 0)[off : off + piece.numel])
+                if wanted[id(piece.param)]:
+                    optimizer.state[piece.param] = _scalar_state(scalars(piece))
+                else:
+                    optimizer.state.pop(piece.param, None)
+            self._writes[b] = self._write_from(i, buf)
+        self._drain()
+
+    def copy(self) -> SwapCopy | None:
+        """Copy the swap files, through the pool's buffers (reads of the next file while the last
+        one is written), into a directory beside them, read back ``offload_io.block_size`` bytes at
+        a time; None when the disk has no room for it."""
+        self._drain()
+        need = sum(s * b for s, b in zip(self._segs, self._seg_bytes))
+        st = os.statvfs(self.swap.path)
+        if st.f_bavail * st.f_frsize < need + _COPY_HEADROOM:
+            return None
+        sub = f"copy-{uuid.uuid4().hex[:8]}"
+        os.makedirs(os.path.join(self.swap.path, sub))
+        names = [f"{sub}/{self._name(i)}" for i in range(len(self._subs))]
+        copy = SwapCopy(os.path.join(self.swap.path, sub), [self._name(i) for i in range(len(self._subs))],
+                        self.keys or (), self._offsets, self._seg_bytes, self.swap.direct, self.swap.block_size)
+        n = len(self._bufs)
+        try:
+            reads: dict[int, list[Future]] = {}
+
+            def start_read(i: int) -> None:
+                self._wait_buffer(i % n)
+                reads[i] = self._read_into(i, self._bufs[i % n])
+
+            if names:
+                start_read(0)
+            for i in range(len(names)):
+                if n > 1 and i + 1 < len(names):
+                    start_read(i + 1)
+                wait_all(reads.pop(i))
+                nbytes = self._segs[i] * self._seg_bytes[i]
+                self._writes[i % n] = self.swap.write(names[i], self._bufs[i % n], nbytes)
+                if n == 1 and i + 1 < len(names):
+                    start_read(i + 1)
+            self._drain()
+        except BaseException:
+            for futures in reads.values():
+                for f in futures:
+                    f.exception()
+            self._drain_quietly()
+            self.swap.forget(sub + "/")
+            copy.close()
+            raise
+        self.swap.forget(sub + "/")
+        return copy
+
+    def _drain_quietly(self) -> None:
+        for b in list(self._writes):
+            for f in self._writes.pop(b):
+                f.exception()
 
     def _rewrite(self, piece: Piece, edit: Callable[[AlignedBuffer, int, int], None]) -> None:
         """Read ``piece``'s file, ``edit(buffer, sub-group index, offset)``, write it back."""
@@ -465,26 +623,6 @@ class NvmeHome(StateHome):
             wait_all(self._write_from(i, buf))
         finally:
             buf.close()
-
-    def load(self, piece: Piece, weight: torch.Tensor, states: dict[str, torch.Tensor], scalars: dict[str, float],
-             optimizer: torch.optim.Optimizer) -> None:
-        if states and self.keys is None:
-            self.keys = sorted(states)
-            self._ensure_capacity()
-        if states and sorted(states) != self.keys:
-            raise ValueError(f"optimizer states {sorted(states)} do not match this optimizer's {self.keys}")
-
-        def edit(buf: AlignedBuffer, i: int, off: int) -> None:
-            self._segment(buf, i, 0)[off : off + piece.numel].copy_(weight.reshape(-1))
-            for s, k in enumerate(self.keys or (), start=1):
-                if k in states:
-                    self._segment(buf, i, s)[off : off + piece.numel].copy_(states[k].reshape(-1))
-
-        self._rewrite(piece, edit)
-        if states:
-            optimizer.state[piece.param] = _scalar_state(scalars)
-        else:
-            optimizer.state.pop(piece.param, None)
 
     def set_master(self, piece: Piece, values: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
         def edit(buf: AlignedBuffer, i: int, off: int) -> None:
@@ -506,6 +644,54 @@ class NvmeHome(StateHome):
                 b.close()
             self._bufs = []
             self.swap.close()
+
+
+def _requests(pieces: Sequence[Piece], s: int, offsets: dict[int, tuple[int, int]], seg_bytes: Sequence[int],
+              cap: int) -> list[tuple[int, int, int, int, int]]:
+    """The aligned reads that give ``pieces``' segment ``s`` in order, each at most ``cap`` (aligned)
+    bytes: (file index, file offset, bytes, first element wanted in the buffer, elements wanted)."""
+    parts = []
+    for piece in pieces:
+        i, off = offsets[id(piece.param)]
+        pos, end = s * seg_bytes[i] + off * _F32, s * seg_bytes[i] + (off + piece.numel) * _F32
+        while pos < end:
+            a0 = pos // ALIGN * ALIGN
+            stop = min(end, a0 + cap)
+            parts.append((i, a0, aligned(stop) - a0, (pos - a0) // _F32, (stop - pos) // _F32))
+            pos = stop
+    return parts
+
+
+class SwapCopy:
+    """A copy of a home's swap files, taken between steps on the same disk, that training may run
+    past: a background checkpoint save reads it (from any one thread, one buffer of ``cap`` bytes
+    at a time) while the next steps rewrite the originals. :meth:`close` removes it."""
+
+    def __init__(self, path: str, names: Sequence[str], keys: Sequence[str], offsets: dict[int, tuple[int, int]],
+                 seg_bytes: Sequence[int], direct: bool, cap: int):
+        self.path = path
+        self._names = list(names)
+        self._keys = list(keys)
+        self._offsets = dict(offsets)
+        self._seg_bytes = list(seg_bytes)
+        self._direct = direct
+        self._cap = cap
+        self._buf: AlignedBuffer | None = None
+
+    def stream(self, pieces: Sequence[Piece], key: str) -> Iterator[torch.Tensor]:
+        """As :meth:`NvmeHome.stream`, from the copy, with a buffer of its own."""
+        s = 0 if key == "weight" else 1 + self._keys.index(key)
+        if self._buf is None:
+            self._buf = AlignedBuffer(self._cap)
+        for i, a0, nbytes, first, count in _requests(pieces, s, self._offsets, self._seg_bytes, self._buf.nbytes):
+            read_exact(os.path.join(self.path, self._names[i]), self._buf, nbytes, a0, self._direct)
+            yield self._buf.tensor[first : first + count]
+
+    def close(self) -> None:
+        if self._buf is not None:
+            self._buf.close()
+            self._buf = None
+        shutil.rmtree(self.path, ignore_errors=True)
 
 
 def expected_state_count(optimizer: torch.optim.Optimizer) -> int:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +35,8 @@ if TYPE_CHECKING:
     from zeroray.engine.offload import StateHome
 
 OptimizerArg = torch.optim.Optimizer | Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None
+# Writes into each ``dest`` the values ``[lo, hi)`` of a flat group's shard of ``key`` (see ShardedOptimizer.load_stream).
+ShardFill = Callable[[list[tuple[FlatGroup, str, int, int, torch.Tensor]]], None]
 
 
 def template_optimizer(model: nn.Module, optimizer: OptimizerArg, config: ZeroConfig) -> torch.optim.Optimizer:
@@ -212,6 +214,14 @@ class GradShards:
         return self._made(self._source(g, lo, hi))
 
 
+@dataclass(frozen=True)
+class StateCopy:
+    """See :meth:`ShardedOptimizer.copy`; ``close()`` removes it."""
+
+    read: Callable[[FlatGroup, str], Iterator[torch.Tensor]]
+    close: Callable[[], None]
+
+
 class ShardedOptimizer:
     """The fp32 masters, gradients and torch optimizer of this rank's shards, stepped by sub-group.
 
@@ -267,6 +277,12 @@ class ShardedOptimizer:
             self.home.publish(sub)
 
     # ------------------------------------------------------------------ state
+    @property
+    def in_memory(self) -> bool:
+        """Masters and states are tensors in memory (False: in swap files, read through the home's
+        bounded buffers by :meth:`read` and written by :meth:`load_stream`)."""
+        return self.home.in_memory
+
     def master(self, g: FlatGroup) -> torch.Tensor:
         """``g``'s fp32 master shard (frozen groups: their shard cast); a live tensor where it is
         resident, a fresh one read from its file otherwise."""
@@ -283,6 +299,32 @@ class ShardedOptimizer:
             return dict(per_piece[0])
         return {k: torch.cat([s[k] for s in per_piece]) for k in keys}
 
+    def state_keys(self, g: FlatGroup) -> list[str]:
+        """Names of ``g``'s elementwise optimizer states (none before the first step), sorted; reads nothing."""
+        pieces = self.pieces_of.get(g)
+        return self.home.state_keys(pieces[0], self.optimizer) if pieces else []
+
+    def read(self, g: FlatGroup, key: str) -> Iterator[torch.Tensor]:
+        """``g``'s shard of ``key`` ("weight": the fp32 master, or a state of :meth:`state_keys`) as
+        consecutive 1-D fp32 tensors, each valid until the next is asked for: the live tensors where
+        they are in memory (no copy), else bounded reads of the swap files."""
+        if key == "weight" and (self.home.in_memory or not g.trainable):
+            yield self.master(g)
+        elif self.home.in_memory:
+            for piece in self.pieces_of[g]:
+                yield self.home.states(piece, self.optimizer)[key]
+        else:
+            yield from self.home.stream(self.pieces_of[g], key, self.optimizer)
+
+    def copy(self) -> StateCopy | None:
+        """A copy of the masters and states that training may run past, read like :meth:`read`
+        (from one thread): the swap files copied on their disk. None where they are in memory (or
+        the disk has no room)."""
+        files = self.home.copy()
+        if files is None:
+            return None
+        return StateCopy(lambda g, key: files.stream(self.pieces_of[g], key), files.close)
+
     def scalars(self) -> list[dict[str, float]]:
         """Per param group, the optimizer's scalar states (e.g. Adam's step)."""
         out: list[dict[str, float]] = []
@@ -295,13 +337,41 @@ class ShardedOptimizer:
             out.append(found)
         return out
 
-    def load(self, g: FlatGroup, weight: torch.Tensor, states: dict[str, torch.Tensor], scalars: dict[str, float]) -> None:
-        """Install ``g``'s master (fp32 values of its shard) and optimizer states (none: fresh)."""
-        for piece in self.pieces_of[g]:
-            part = {k: v[piece.lo : piece.hi] for k, v in states.items()}
-            self.home.load(piece, weight[piece.lo : piece.hi], part, scalars, self.optimizer)
-        if g.master is None:  # kept in files: the compute shard takes the values now
-            g.write_shard(0, g.shard_numel, weight)
+    def load(self, tensors: Mapping[FlatGroup, Mapping[str, torch.Tensor]], scalars: Sequence[dict[str, float]]) -> None:
+        """Install every trainable group's master (``"weight"``: fp32 values of its shard) and
+        optimizer states (none: fresh); ``scalars`` per param group. In memory the state tensors are
+        taken over where they fit; swap files are each written once."""
+        if not self.home.in_memory:
+            def take(parts: list[tuple[FlatGroup, str, int, int, torch.Tensor]]) -> None:
+                for g, k, lo, hi, dest in parts:
+                    dest.copy_(tensors[g][k].reshape(-1)[lo:hi])
+
+            return self.load_stream({g: list(tensors[g]) for g in self.groups}, take, scalars)
+        for g in self.groups:
+            weight = tensors[g]["weight"].reshape(-1)
+            states = {k: v.reshape(-1) for k, v in tensors[g].items() if k != "weight"}
+            for piece in self.pieces_of[g]:
+                part = {k: v[piece.lo : piece.hi] for k, v in states.items()}
+                self.home.load(piece, weight[piece.lo : piece.hi], part, scalars[g.param_group], self.optimizer)
+            if g.master is None:  # kept elsewhere: the compute shard takes the values now
+                g.write_shard(0, g.shard_numel, weight)
+
+    def load_stream(self, keys: Mapping[FlatGroup, Sequence[str]], fill: ShardFill, scalars: Sequence[dict[str, float]]) -> None:
+        """As :meth:`load`, with the values written by ``fill(parts)`` into ``(group, key, lo, hi,
+        dest)`` destinations (``[lo, hi)`` of the group's shard; ``keys[g]``: "weight" and the
+        states to load). In memory: one call for everything, then :meth:`load`; in swap files: one
+        call per sub-group, into the home's buffers, so host memory stays bounded."""
+        if self.home.in_memory:
+            tensors = {g: {k: torch.empty(g.shard_numel, dtype=torch.float32) for k in keys[g]} for g in self.groups}
+            fill([(g, k, 0, g.shard_numel, t) for g in self.groups for k, t in tensors[g].items()])
+            return self.load(tensors, scalars)
+        self.home.load_stream(
+            self.sub_groups,
+            lambda piece: keys[piece.group],
+            lambda parts: fill([(p.group, k, lo, hi, dest) for p, k, lo, hi, dest in parts]),
+            lambda piece: scalars[piece.group.param_group],
+            self.optimizer,
+        )
 
     def set_master(self, g: FlatGroup, values: torch.Tensor) -> None:
         """Overwrite ``g``'s master with ``values`` (its optimizer states stay)."""

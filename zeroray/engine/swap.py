@@ -87,23 +87,27 @@ class SwapDir:
             fd = self._fds[name] = os.open(os.path.join(self.path, name), flags, 0o600)
         return fd
 
-    def write(self, name: str, buf: AlignedBuffer, nbytes: int) -> list[Future]:
-        """Write the first ``nbytes`` (aligned up) of ``buf`` as the file ``name`` (async)."""
+    def write(self, name: str, buf: AlignedBuffer, nbytes: int, offset: int = 0) -> list[Future]:
+        """Write the first ``nbytes`` (aligned up) of ``buf`` into the file ``name`` at ``offset``
+        (page-aligned) (async)."""
         n = aligned(nbytes)
         self.bytes_written += n
-        return self._submit(os.pwritev, self._fd(name), buf, n)
+        return self._submit(os.pwritev, self._fd(name), buf, n, offset)
 
-    def read(self, name: str, buf: AlignedBuffer, nbytes: int) -> list[Future]:
-        """Read the file ``name``'s first ``nbytes`` (aligned up) into ``buf`` (async)."""
+    def read(self, name: str, buf: AlignedBuffer, nbytes: int, offset: int = 0) -> list[Future]:
+        """Read ``nbytes`` (aligned up) of the file ``name`` from ``offset`` (page-aligned) into the
+        start of ``buf`` (async)."""
         n = aligned(nbytes)
         self.bytes_read += n
-        return self._submit(os.preadv, self._fd(name), buf, n)
+        return self._submit(os.preadv, self._fd(name), buf, n, offset)
 
-    def _submit(self, op, fd: int, buf: AlignedBuffer, n: int) -> list[Future]:  # noqa: ANN001
+    def _submit(self, op, fd: int, buf: AlignedBuffer, n: int, offset: int) -> list[Future]:  # noqa: ANN001
         if n > buf.nbytes:
             raise ValueError(f"swap request of {n} bytes exceeds its buffer ({buf.nbytes} bytes)")
+        if offset % ALIGN:
+            raise ValueError(f"swap request at byte {offset} is not {ALIGN}-aligned")
         return [
-            self._pool.submit(self._io, op, fd, buf.view[off : min(off + self.block_size, n)], off)
+            self._pool.submit(self._io, op, fd, buf.view[off : min(off + self.block_size, n)], offset + off)
             for off in range(0, n, self.block_size)
         ]
 
@@ -121,6 +125,11 @@ class SwapDir:
         if not self._direct:  # keep host memory bounded: the page cache must not hold the swap
             os.posix_fadvise(fd, offset, len(view), os.POSIX_FADV_DONTNEED)
 
+    def forget(self, prefix: str) -> None:
+        """Close the files whose names start with ``prefix`` (requests on them done)."""
+        for name in [n for n in self._fds if n.startswith(prefix)]:
+            os.close(self._fds.pop(name))
+
     def close(self) -> None:
         """Wait for requests in flight, close the files, remove the directory."""
         self._pool.shutdown(wait=True)
@@ -128,6 +137,23 @@ class SwapDir:
             os.close(fd)
         self._fds.clear()
         shutil.rmtree(self.path, ignore_errors=True)
+
+
+def read_exact(path: str, buf: AlignedBuffer, nbytes: int, offset: int, direct: bool) -> None:
+    """Read ``nbytes`` (aligned) of ``path`` at ``offset`` (aligned) into the start of ``buf``, in
+    the calling thread; a short read raises."""
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+    try:
+        view, done = buf.view[:nbytes], 0
+        while done < nbytes:
+            got = os.preadv(fd, [view[done:]], offset + done)
+            if got <= 0:
+                raise OSError(f"zeroray swap: short read of {path} at byte {offset + done} ({done} of {nbytes} bytes)")
+            done += got
+        if not direct:
+            os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
 
 
 def wait_all(futures: Sequence[Future]) -> None:

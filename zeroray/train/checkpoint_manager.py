@@ -83,8 +83,9 @@ def resume(session: Session) -> bool:
 
 
 def shard_bytes(engine: Any) -> int:
-    """Bytes of this rank's shard state (weights and optimizer states): what a save writes and a load reads."""
-    return sum(t.numel() * t.element_size() for gs in engine.shard_state() for t in gs.tensors.values())
+    """Bytes of this rank's shard state (weights and optimizer states, fp32): what a save writes and a load
+    reads. From the streamed view's metadata, so NVMe-offloaded states are not read to be counted."""
+    return sum(4 * (gs.hi - gs.lo) * len(gs.keys) for gs in engine.stream_shard_state())
 
 
 def _newest_on_storage(session: Session, fallback: bool) -> zc.CheckpointInfo | None:
