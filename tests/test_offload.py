@@ -23,39 +23,8 @@ import zeroray
 import zeroray.checkpoint as ckpt
 from tests.dist_harness import run_ranks
 from tests.models import TinyLM, batches, param_groups
+from tests.offload_helpers import CLIP, GAS, LR, STEPS, nvme_offload, offload_config, train_run
 from zeroray.config import ConfigError
-
-GAS, STEPS, CLIP, LR = 2, 3, 0.5, 1e-2
-
-
-def _config(stage: int, precision: str, offload: dict | None, **extra) -> zeroray.ZeroConfig:
-    return zeroray.ZeroConfig(
-        stage=stage,
-        precision=precision,
-        gradient_accumulation_steps=GAS,
-        gradient_clipping=CLIP,
-        comm={"reduce_bucket_size": 500, "allgather_bucket_size": 700},
-        **(offload or {}),
-        **extra,
-    )
-
-
-def _train(model, data, cfg) -> tuple[list[float], dict[str, torch.Tensor], dict[str, int]]:
-    engine = zeroray.initialize(model, torch.optim.AdamW(param_groups(model), lr=LR), cfg)
-    losses = []
-    for x, y in data:
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    state = engine.full_state_dict()
-    mem = engine.memory_report()
-    engine.close()
-    return losses, state, mem
-
-
-def _nvme(path: str, rank: int, **kw) -> dict:
-    return {"offload_optimizer": {"device": "nvme", "nvme_path": path, **kw}}
 
 
 def _offload_worker(rank: int, world: int, nvme_path: str, slow_path: str | None) -> dict:
@@ -69,15 +38,15 @@ def _offload_worker(rank: int, world: int, nvme_path: str, slow_path: str | None
                 "none": None,
                 "subgroups": {"sub_group_size": 40},
                 "cpu": {"offload_optimizer": {"device": "cpu"}},
-                "nvme": {**_nvme(nvme_path, rank, buffer_count=3), "sub_group_size": 50},
-                "nvme-1buf": {**_nvme(nvme_path, rank, buffer_count=1), "sub_group_size": 30},
+                "nvme": {**nvme_offload(nvme_path, rank, buffer_count=3), "sub_group_size": 50},
+                "nvme-1buf": {**nvme_offload(nvme_path, rank, buffer_count=1), "sub_group_size": 30},
             }
             if stage == 3:
                 runs["cpu-params"] = {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}
                 if slow_path is not None and precision == "bf16":  # tmpfs: no O_DIRECT, buffered I/O
-                    runs["nvme-buffered"] = {**_nvme(slow_path, rank), "sub_group_size": 50}
+                    runs["nvme-buffered"] = {**nvme_offload(slow_path, rank), "sub_group_size": 50}
             for name, extra in runs.items():
-                out[(precision, stage, name)] = _train(copy.deepcopy(init), data, _config(stage, precision, None, **(extra or {})))
+                out[(precision, stage, name)] = train_run(copy.deepcopy(init), data, offload_config(stage, precision, None, **(extra or {})))
     out["left"] = sorted(os.listdir(os.path.join(nvme_path, "zeroray-swap")))
     return out
 
@@ -132,8 +101,8 @@ def _ddp_vs_nvme(rank: int, world: int, path: str) -> dict:
             opt.step()
             opt.zero_grad()
     ref = {n: p.detach().clone() for n, p in model.named_parameters()}
-    cfg = _config(3, "fp32", None, **_nvme(path, rank), sub_group_size=100)
-    return {"ref": (ref_losses, ref), "nvme": _train(copy.deepcopy(init), data, cfg)[:2]}
+    cfg = offload_config(3, "fp32", None, **nvme_offload(path, rank), sub_group_size=100)
+    return {"ref": (ref_losses, ref), "nvme": train_run(copy.deepcopy(init), data, cfg)[:2]}
 
 
 def test_nvme_stage3_matches_ddp_adamw(tmp_path):
@@ -152,7 +121,7 @@ def _resume_worker(rank: int, world: int, path: str, url: str) -> dict:
     data = batches(rank, 4 * GAS)
     torch.manual_seed(0)
     init = TinyLM()
-    cfg = _config(3, "bf16", None, **_nvme(path, rank), sub_group_size=50)
+    cfg = offload_config(3, "bf16", None, **nvme_offload(path, rank), sub_group_size=50)
 
     def engine_for(model):
         return zeroray.initialize(model, torch.optim.AdamW(param_groups(model), lr=LR), cfg)
@@ -193,8 +162,8 @@ def _save_worker(rank: int, world: int, path: str, url: str, offload: bool) -> N
     data = batches(rank, 2 * GAS)
     torch.manual_seed(0)
     model = TinyLM()
-    extra = {**_nvme(path, rank), "sub_group_size": 60} if offload else {}
-    engine = zeroray.initialize(model, torch.optim.AdamW(param_groups(model), lr=LR), _config(3, "fp32", None, **extra))
+    extra = {**nvme_offload(path, rank), "sub_group_size": 60} if offload else {}
+    engine = zeroray.initialize(model, torch.optim.AdamW(param_groups(model), lr=LR), offload_config(3, "fp32", None, **extra))
     for x, y in data:
         engine.backward(engine(x, y))
         engine.step()
@@ -205,7 +174,7 @@ def _save_worker(rank: int, world: int, path: str, url: str, offload: bool) -> N
 def _load_worker(rank: int, world: int, url: str) -> dict:
     torch.manual_seed(1)  # other initial values: everything must come from the checkpoint
     model = TinyLM()
-    engine = zeroray.initialize(model, torch.optim.AdamW(param_groups(model), lr=LR), _config(1, "fp32", None))
+    engine = zeroray.initialize(model, torch.optim.AdamW(param_groups(model), lr=LR), offload_config(1, "fp32", None))
     ckpt.load(engine, url)
     shards = {g.name: {k: v.clone() for k, v in g.tensors.items()} for g in engine.shard_state()}
     out = {"full": engine.full_state_dict(), "shards": shards, "meta": engine.state_meta()["optimizer_scalars"]}
@@ -234,7 +203,7 @@ def test_nvme_stage3_world2_checkpoint_reshards_into_stage1_world3(tmp_path):
 def test_nvme_memory_report_counts_the_files_and_the_buffer_pool(tmp_path):
     torch.manual_seed(0)
     model = TinyLM(d=32, n_layer=4)
-    cfg = zeroray.ZeroConfig(stage=1, sub_group_size=1000, offload_optimizer=_nvme(str(tmp_path), 0)["offload_optimizer"])
+    cfg = zeroray.ZeroConfig(stage=1, sub_group_size=1000, offload_optimizer=nvme_offload(str(tmp_path), 0)["offload_optimizer"])
     engine = zeroray.initialize(model, torch.optim.AdamW(model.parameters()), cfg)
     x, y = batches(0, 1)[0]
     engine.backward(engine(x, y))
@@ -255,7 +224,7 @@ def test_nvme_memory_report_counts_the_files_and_the_buffer_pool(tmp_path):
 def test_short_read_is_an_error_not_zeros(tmp_path):
     torch.manual_seed(0)
     model = TinyLM()
-    cfg = zeroray.ZeroConfig(stage=1, offload_optimizer=_nvme(str(tmp_path), 0)["offload_optimizer"])
+    cfg = zeroray.ZeroConfig(stage=1, offload_optimizer=nvme_offload(str(tmp_path), 0)["offload_optimizer"])
     engine = zeroray.initialize(model, torch.optim.AdamW(model.parameters()), cfg)
     swap = engine.optim.home.swap.path
     for f in os.listdir(swap):

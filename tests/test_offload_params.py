@@ -18,7 +18,7 @@ import zeroray
 import zeroray.checkpoint as ckpt
 from tests.dist_harness import run_ranks
 from tests.models import TinyLM, batches, param_groups
-from tests.test_offload import GAS, LR, _config, _nvme, _train
+from tests.offload_helpers import GAS, LR, nvme_offload, offload_config, train_run
 from zeroray.config import ConfigError
 
 
@@ -39,10 +39,10 @@ def _worker(rank: int, world: int, path: str) -> dict:
             "params": _params(path),
             "params-2buf": _params(path, buffer_count=2),
             "params+cpu": {**_params(path), "offload_optimizer": {"device": "cpu"}},
-            "params+nvme": {**_params(path, buffer_count=3), **_nvme(path, rank, buffer_count=3), "sub_group_size": 50},
+            "params+nvme": {**_params(path, buffer_count=3), **nvme_offload(path, rank, buffer_count=3), "sub_group_size": 50},
         }
         for name, extra in runs.items():
-            out[(precision, name)] = _train(copy.deepcopy(init), data, _config(3, precision, None, **extra))
+            out[(precision, name)] = train_run(copy.deepcopy(init), data, offload_config(3, precision, None, **extra))
     out["left"] = sorted(os.listdir(os.path.join(path, "zeroray-swap")))
     return out
 
@@ -67,7 +67,7 @@ def test_read_ahead_serves_the_gathers_and_the_counts_add_up(tmp_path):
     reverse); every gather is served once, either way."""
     torch.manual_seed(0)
     model = TinyLM()
-    cfg = _config(3, "bf16", None, **_params(str(tmp_path), buffer_count=8))
+    cfg = offload_config(3, "bf16", None, **_params(str(tmp_path), buffer_count=8))
     engine = zeroray.initialize(model, torch.optim.AdamW(param_groups(model), lr=LR), cfg)
     steps = 6
     for x, y in batches(0, steps * GAS):
@@ -86,8 +86,8 @@ def test_read_ahead_serves_the_gathers_and_the_counts_add_up(tmp_path):
 def _save(rank: int, world: int, path: str, url: str, offload: bool) -> dict:
     torch.manual_seed(0)
     model = TinyLM()
-    extra = {**_params(path), **_nvme(path, rank), "sub_group_size": 60} if offload else {}
-    engine = zeroray.initialize(model, torch.optim.AdamW(param_groups(model), lr=LR), _config(3, "bf16", None, **extra))
+    extra = {**_params(path), **nvme_offload(path, rank), "sub_group_size": 60} if offload else {}
+    engine = zeroray.initialize(model, torch.optim.AdamW(param_groups(model), lr=LR), offload_config(3, "bf16", None, **extra))
     data = batches(rank, 4 * GAS)
     for x, y in data[: 2 * GAS]:
         engine.backward(engine(x, y))
@@ -106,7 +106,7 @@ def _save(rank: int, world: int, path: str, url: str, offload: bool) -> dict:
 def _load(rank: int, world: int, url: str, stage: int, extra: dict) -> dict:
     torch.manual_seed(1)  # other initial values: everything must come from the checkpoint
     model = TinyLM()
-    engine = zeroray.initialize(model, torch.optim.AdamW(param_groups(model), lr=LR), _config(stage, "bf16", None, **extra))
+    engine = zeroray.initialize(model, torch.optim.AdamW(param_groups(model), lr=LR), offload_config(stage, "bf16", None, **extra))
     ckpt.load(engine, url)
     full = engine.full_state_dict()
     rest = []
@@ -144,7 +144,7 @@ def test_weights_written_inside_gathered_parameters_reach_the_files(tmp_path):
     out = []
     for extra in ({}, _params(str(tmp_path))):
         model = copy.deepcopy(init)
-        engine = zeroray.initialize(model, torch.optim.AdamW(param_groups(model), lr=LR), _config(3, "fp32", None, **extra))
+        engine = zeroray.initialize(model, torch.optim.AdamW(param_groups(model), lr=LR), offload_config(3, "fp32", None, **extra))
         with engine.gathered_parameters(modifier_rank=0):
             with torch.no_grad():
                 for p in model.parameters():
