@@ -20,6 +20,7 @@ from tests.dist_harness import run_ranks
 from tests.models import TinyLM, batches, param_groups
 from tests.offload_helpers import GAS, LR, nvme_offload, offload_config, train_run
 from zeroray.config import ConfigError
+from zeroray.engine.swap import aligned
 
 
 def _params(path: str, **kw) -> dict:
@@ -67,7 +68,9 @@ def test_read_ahead_serves_the_gathers_and_the_counts_add_up(tmp_path):
     reverse); every gather is served once, either way."""
     torch.manual_seed(0)
     model = TinyLM()
-    cfg = offload_config(3, "bf16", None, **_params(str(tmp_path), buffer_count=8))
+    # Optimizer states in files too, in small sub-groups: the new weights come back piece by piece.
+    cfg = offload_config(3, "bf16", None, **_params(str(tmp_path), buffer_count=8), **nvme_offload(str(tmp_path), 0),
+                         sub_group_size=50)
     engine = zeroray.initialize(model, torch.optim.AdamW(param_groups(model), lr=LR), cfg)
     steps = 6
     for x, y in batches(0, steps * GAS):
@@ -79,7 +82,13 @@ def test_read_ahead_serves_the_gathers_and_the_counts_add_up(tmp_path):
     gathers = steps * GAS * (len(engine.groups) + sum(len(u.groups) for u in units))
     assert io["reads_ahead_used"] + io["reads_on_demand"] == gathers, io
     assert io["reads_ahead_used"] > 0.8 * gathers, io
-    assert engine.offload_report()["nvme:read"] == io["bytes_read"] > 0
+    # Each gather reads its shard once, nothing more: no read-ahead given up, no read behind a write
+    # (a group's new values are written whole, piece by piece, without reading the old ones first).
+    assert io["reads_given_up"] == 0, io
+    nbytes = {g: aligned(g.shard_numel * g.full.element_size()) for g in engine.groups}
+    per_micro_step = sum(nbytes.values()) + sum(nbytes[g] for u in units for g in u.groups)
+    assert io["bytes_read"] == steps * GAS * per_micro_step, io
+    assert engine.offload_report()["nvme:read"] == io["bytes_read"] + engine.offload_io()["optimizer"]["bytes_read"]
     engine.close()
 
 

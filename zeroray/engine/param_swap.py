@@ -46,6 +46,7 @@ class ParamFiles:
         self.read_wait_s = 0.0
         self.reads_ahead_used = 0  # gathers whose shard was read ahead
         self.reads_on_demand = 0  # gathers that had to start their read
+        self.reads_given_up = 0  # read-aheads whose buffer a demand took before any gather used them
 
     # ------------------------------------------------------------------ set-up
     def attach(self, groups: Sequence[FlatGroup]) -> None:
@@ -82,6 +83,7 @@ class ParamFiles:
                 g = next(iter(self._ahead))
                 b, reads = self._ahead.pop(g)
                 wait_all(reads)
+                self.reads_given_up += 1
                 return b
             if not self._writing:
                 raise RuntimeError("zeroray param swap: every buffer is staged; raise offload_param.buffer_count")
@@ -148,9 +150,10 @@ class ParamFiles:
 
     # ------------------------------------------------------------------ writes
     def write(self, g: FlatGroup, lo: int, hi: int, values: torch.Tensor) -> None:
-        """Set ``g``'s shard ``[lo, hi)`` (cast to its dtype). Pieces are staged in a pool buffer; the
-        file is written once the piece ending the shard arrives. A first piece that does not start the
-        shard reads the rest from the file first."""
+        """Set ``g``'s shard ``[lo, hi)`` (cast to its dtype). Pieces of a group come in order and run to
+        its end (the optimizer publishes sub-group by sub-group); they are staged in a pool buffer and
+        the file is written once the piece ending the shard arrives. A first piece that does not start
+        the shard reads the part before it from the file first."""
         b = self._staged.get(g)
         if b is None:
             ahead = self._ahead.pop(g, None)
@@ -160,7 +163,7 @@ class ParamFiles:
             else:
                 self._wait_write(g)
                 b = self._take()
-                if lo != 0 or hi != g.shard_numel:
+                if lo != 0:  # the part before this piece is not being rewritten: keep the file's
                     wait_all(self.swap.read(self._name(g), self._bufs[b], self._nbytes(g)))
             self._staged[g] = b
         self._view(b, g)[lo:hi].copy_(values)
@@ -186,7 +189,7 @@ class ParamFiles:
     def io_report(self) -> dict[str, float]:
         return {"bytes_read": self.swap.bytes_read, "bytes_written": self.swap.bytes_written,
                 "read_wait_s": self.read_wait_s, "reads_ahead_used": self.reads_ahead_used,
-                "reads_on_demand": self.reads_on_demand}
+                "reads_on_demand": self.reads_on_demand, "reads_given_up": self.reads_given_up}
 
     def close(self) -> None:
         try:
