@@ -199,7 +199,7 @@ class OffloadIOConfig:
     the filesystem allows (else buffered I/O whose pages are dropped behind)."""
 
     block_size: int = 8 << 20
-    queue_depth: int = 4
+    queue_depth: int = 16  # measured: benchmarks/results/offload.md, "Queue depth"
     direct_io: bool = True
 
     def problems(self) -> Problems:
