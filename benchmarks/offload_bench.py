@@ -297,7 +297,7 @@ def steps_100m(nvme_path: str, steps: int = 6) -> dict[str, Any]:
     return out
 
 
-def big(nvme_path: str, steps: int = 3) -> dict[str, Any]:
+def big(nvme_path: str, steps: int = 3, queue_depth: int | None = None) -> dict[str, Any]:
     cfg = GPTConfig.for_params(1.75e9)
     model = {k: getattr(cfg, k) for k in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd")}
     n = cfg.num_params()
@@ -305,6 +305,8 @@ def big(nvme_path: str, steps: int = 3) -> dict[str, Any]:
         "stage": 3, "sub_group_size": 30_000_000,
         "offload_optimizer": {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 3},
         "offload_param": {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 3}}}
+    if queue_depth is not None:
+        zero["aio"] = {"queue_depth": queue_depth}
     from zeroray.estimate import estimate
 
     d = cfg.n_embd
@@ -318,7 +320,8 @@ def big(nvme_path: str, steps: int = 3) -> dict[str, Any]:
                                       ("stage 3 + nvme optimizer and parameters", 3, "nvme", "nvme"))
     }
     res = train({"model": model, "zero": zero, "lr": 1e-4, "batch": [1, 32], "steps": steps})
-    out: dict[str, Any] = {"params": n, "model_states_GB": 16 * n / GB, "estimate_GB_per_rank_world2": est, "ranks": []}
+    out: dict[str, Any] = {"params": n, "model_states_GB": 16 * n / GB, "estimate_GB_per_rank_world2": est, "ranks": [],
+                           "queue_depth": queue_depth or zeroray.ZeroConfig().offload_io.queue_depth}
     for r in res:
         out["ranks"].append({
             "setup_s": r["setup_s"], "peak_rss_GB": r["peak_rss"] / GB, "memory_report_GB": {k: v / GB for k, v in r["memory"].items()},
@@ -396,6 +399,7 @@ def main() -> None:
     ap.add_argument("--parts", default="fio,io,adam,steps,big")
     ap.add_argument("--nvme-path", default=tempfile.gettempdir())
     ap.add_argument("--io-gb", type=float, default=4.0)
+    ap.add_argument("--queue-depth", type=int, default=None, help="big: offload_io.queue_depth (default: zeroray's)")
     ap.add_argument("--out", default=str(HERE / "results" / "offload"))
     args = ap.parse_args()
     parts = args.parts.split(",")
@@ -416,7 +420,7 @@ def main() -> None:
         if "steps" in parts:
             res["steps"] = steps_100m(path)
         if "big" in parts:
-            res["big"] = big(path)
+            res["big"] = big(path, queue_depth=args.queue_depth)
     finally:
         shutil.rmtree(path, ignore_errors=True)
     Path(args.out + ".json").write_text(json.dumps(res, indent=1))

@@ -199,7 +199,7 @@ class OffloadIOConfig:
     the filesystem allows (else buffered I/O whose pages are dropped behind)."""
 
     block_size: int = 8 << 20
-    queue_depth: int = 16  # measured: benchmarks/results/offload.md, "Queue depth"
+    queue_depth: int = 4  # measured: docs/architecture.md, "I/O" (per pool; every rank has one or two)
     direct_io: bool = True
 
     def problems(self) -> Problems:
