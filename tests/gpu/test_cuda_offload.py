@@ -17,6 +17,7 @@ import torch
 import zeroray
 from tests.dist_harness import run_ranks
 from tests.models import TinyLM, batches, param_groups
+from tests.offload_helpers import offload_config, train_run
 from tests.parity_helpers import CLIP, GAS, LR, OPT_STEPS, reference
 
 OFFLOAD = {"device": "cpu", "pin_memory": True}
@@ -102,18 +103,8 @@ def _params_in_files(rank: int, world: int, path: str) -> dict:
             "params+nvme": {"offload_param": {"device": "nvme", "nvme_path": path},
                             "offload_optimizer": {"device": "nvme", "nvme_path": path}},
         }.items():
-            model = copy.deepcopy(init)
-            cfg = zeroray.ZeroConfig(stage=3, precision=precision, gradient_accumulation_steps=GAS, gradient_clipping=CLIP,
-                                     sub_group_size=3000, comm={"reduce_bucket_size": 500}, **extra)
-            engine = zeroray.initialize(model, torch.optim.AdamW(param_groups(model), lr=LR), cfg)
-            losses = []
-            for x, y in data:
-                loss = engine(x, y)
-                engine.backward(loss)
-                engine.step()
-                losses.append(loss.item())
-            out[(precision, name)] = (losses, engine.full_state_dict(), engine.memory_report())
-            engine.close()
+            cfg = offload_config(3, precision, None, sub_group_size=3000, **extra)
+            out[(precision, name)] = train_run(copy.deepcopy(init), data, cfg)
     return out
 
 
