@@ -8,6 +8,7 @@ with and without offload, and a model whose model states do not fit in memory, t
 - io: zeroray's swap files (``zeroray.engine.swap``) written and read back through its thread pool,
   O_DIRECT against buffered I/O with ``posix_fadvise(DONTNEED)``, the same bytes as fio;
 - qd: the swap and fio at queue depths 1-32 (the measurement behind ``offload_io.queue_depth``);
+- aio: the same bytes through DeepSpeed's AsyncIO op (libaio; apt libaio-dev) and io_uring (``pip install liburing``);
 - adam: ``torch.optim.AdamW`` (for-loop, foreach, fused) on one 50M-element fp32 shard, one thread,
   against the memory bandwidth of a large copy (an Adam step moves about 28 bytes per element);
 - steps: a ~100M-parameter GPT at world 2, stage 3, fp32 AdamW: median step time without offload,
@@ -117,6 +118,87 @@ def queue_depths(path: str, size_gb: float, depths: tuple[int, ...] = (1, 2, 4, 
     the measurement behind ``offload_io.queue_depth``'s default."""
     return {str(qd): {"swap": swap_io(path, size_gb, direct=True, queue_depth=qd), "fio": fio(path, size_gb, qd)}
             for qd in depths}
+
+
+def _timed(write: Any, read: Any, n: int, per_file: int) -> dict[str, float]:
+    t0 = time.perf_counter()
+    write()
+    os.sync()
+    t_write = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    read()
+    return {"write_GBps": n * per_file / t_write / GB, "read_GBps": n * per_file / (time.perf_counter() - t0) / GB}
+
+
+def aio_peers(path: str, size_gb: float, queue_depth: int = 4) -> dict[str, Any]:
+    """The same bytes as :func:`swap_io` (256 MB files, 8 MiB requests, O_DIRECT, ``queue_depth`` in
+    flight) through the libraries the issue names: DeepSpeed's AsyncIO op (libaio, JIT-built; needs
+    libaio-dev) and io_uring (PyPI ``liburing``). Each is reported, or the error that stopped it."""
+    per_file = 256 << 20
+    n = max(1, int(size_gb * GB) // per_file)
+    out: dict[str, Any] = {"zeroray_swap": swap_io(path, size_gb, direct=True, queue_depth=queue_depth)}
+    try:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+
+        h = AsyncIOBuilder().load().aio_handle(BLOCK, queue_depth, False, True, 1)
+        buf = h.new_cpu_locked_tensor(per_file, torch.empty(0, dtype=torch.uint8))
+        buf.fill_(1)
+        files = [os.path.join(path, f"ds{i}") for i in range(n)]
+
+        def ds(op: str) -> None:
+            for f in files:
+                getattr(h, op)(buf, f)
+            h.wait()
+
+        out["deepspeed_aio"] = _timed(lambda: ds("async_pwrite"), lambda: ds("async_pread"), n, per_file)
+        h.free_cpu_locked_tensor(buf)
+        for f in files:
+            os.unlink(f)
+    except Exception as e:  # noqa: BLE001 - a peer that cannot run here is a result
+        out["deepspeed_aio"] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]}
+    try:
+        out["io_uring"] = _uring(path, n, per_file, queue_depth)
+    except Exception as e:  # noqa: BLE001
+        out["io_uring"] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]}
+    return out
+
+
+def _uring(path: str, n: int, per_file: int, depth: int) -> dict[str, float]:
+    """8 MiB O_DIRECT requests through one io_uring, ``depth`` in flight, from an aligned buffer."""
+    import liburing as u
+
+    buf = AlignedBuffer(per_file)
+    ring, cqe = u.Ring(), u.Cqe()
+    u.io_uring_queue_init(max(depth, 1) * 2, ring)
+    fds = [os.open(os.path.join(path, f"ur{i}"), os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600) for i in range(n)]
+
+    iovs = {off: u.Iovec([buf.view[off : off + BLOCK]]) for off in range(0, per_file, BLOCK)}  # kept alive
+
+    def run(write: bool) -> None:
+        reqs = [(fd, off) for fd in fds for off in range(0, per_file, BLOCK)]
+        inflight = 0
+        while reqs or inflight:
+            while reqs and inflight < depth:
+                fd, off = reqs.pop(0)
+                sqe = u.io_uring_get_sqe(ring)
+                (u.io_uring_prep_writev if write else u.io_uring_prep_readv)(sqe, fd, iovs[off], off)
+                inflight += 1
+            u.io_uring_submit(ring)
+            u.io_uring_wait_cqe(ring, cqe)
+            if cqe[0].res != BLOCK:
+                raise OSError(f"io_uring request returned {cqe[0].res}")
+            u.io_uring_cqe_seen(ring, cqe[0])
+            inflight -= 1
+
+    try:
+        return _timed(lambda: run(True), lambda: run(False), n, per_file)
+    finally:
+        for i, fd in enumerate(fds):
+            os.close(fd)
+            os.unlink(os.path.join(path, f"ur{i}"))
+        u.io_uring_queue_exit(ring)
+        buf.close()
 
 
 # ------------------------------------------------------------------------------ Adam on the CPU
@@ -319,14 +401,38 @@ def big(nvme_path: str, steps: int = 3, queue_depth: int | None = None) -> dict[
                                       ("stage 3 + nvme optimizer", 3, "nvme", "none"),
                                       ("stage 3 + nvme optimizer and parameters", 3, "nvme", "nvme"))
     }
+    disk = [fio(nvme_path, 2.0)]  # the disk right before and right after: it swings between runs
     res = train({"model": model, "zero": zero, "lr": 1e-4, "batch": [1, 32], "steps": steps})
+    disk.append(fio(nvme_path, 2.0))
     out: dict[str, Any] = {"params": n, "model_states_GB": 16 * n / GB, "estimate_GB_per_rank_world2": est, "ranks": [],
-                           "queue_depth": queue_depth or zeroray.ZeroConfig().offload_io.queue_depth}
+                           "queue_depth": queue_depth or zeroray.ZeroConfig().offload_io.queue_depth, "fio": disk}
     for r in res:
         out["ranks"].append({
             "setup_s": r["setup_s"], "peak_rss_GB": r["peak_rss"] / GB, "memory_report_GB": {k: v / GB for k, v in r["memory"].items()},
             "steps": r["steps"], "direct_io": r["io"].get("direct_io"),
         })
+    out["goals"] = io_goals([r["steps"] for r in res], disk)
+    return out
+
+
+def io_goals(per_rank: list[list[dict]], disk: list[dict[str, float]]) -> list[dict[str, float]]:
+    """Per step, the issue's two I/O goals: the disk bandwidth the whole step achieved, as a fraction of
+    fio's (every rank's swap bytes at fio's read and write rates, mean of the runs around, over the step
+    time; goal >= 0.85), and the step time over max(I/O time at fio's rates, the time no rank waited
+    for I/O) (goal <= 1.15)."""
+    if any("error" in d for d in disk):
+        return []
+    read_bw = statistics.mean(d["read_GBps"] for d in disk) * GB
+    write_bw = statistics.mean(d["write_GBps"] for d in disk) * GB
+    out = []
+    for steps in zip(*per_rank):
+        reads = sum(s["bytes_read"] + s.get("param_bytes_read", 0) for s in steps)
+        writes = sum(s["bytes_written"] + s.get("param_bytes_written", 0) for s in steps)
+        step = max(s["step_s"] for s in steps)
+        io = reads / read_bw + writes / write_bw
+        compute = max(s["step_s"] - s["read_wait_s"] - s["write_wait_s"] - s.get("param_read_wait_s", 0) for s in steps)
+        out.append({"step_s": step, "GB_read": reads / GB, "GB_written": writes / GB, "io_at_fio_s": io,
+                    "compute_s": compute, "of_fio": io / step, "step_over_max": step / max(io, compute)})
     return out
 
 
@@ -347,6 +453,13 @@ def markdown(res: dict) -> str:
         for qd, r in res["qd"].items():
             lines.append(f"| {qd} | {r['swap']['write_GBps']:.2f} | {r['swap']['read_GBps']:.2f} | "
                          f"{r['fio'].get('write_GBps', 0):.2f} | {r['fio'].get('read_GBps', 0):.2f} |")
+        lines.append("")
+    if "aio" in res:
+        lines += ["## Async I/O libraries against zeroray's thread pool (O_DIRECT, 8 MiB requests, 4 in flight)", "",
+                  "| | write GB/s | read GB/s |", "|---|---|---|"]
+        for k, r in res["aio"].items():
+            cells = f"{r['write_GBps']:.2f} | {r['read_GBps']:.2f}" if "write_GBps" in r else f"{r['error'][:120]} |"
+            lines.append(f"| {k} | {cells} |")
         lines.append("")
     if "adam" in res:
         a = res["adam"]
@@ -388,6 +501,16 @@ def markdown(res: dict) -> str:
                              f"{st.get('param_bytes_written', 0) / GB:.2f} | "
                              f"{st.get('param_reads_ahead_used', 0):.0f} / {st.get('param_reads_on_demand', 0):.0f} |")
         lines.append("")
+        if b.get("goals"):
+            fio_runs = ", ".join(f"{d['write_GBps']:.2f} / {d['read_GBps']:.2f}" for d in b["fio"])
+            lines += ["", f"The issue's I/O goals, both ranks together (fio write / read GB/s around the run: {fio_runs}):", "",
+                      "| step | step s | GB read | GB written | I/O time at fio's rates s | compute s (no rank waiting) "
+                      "| of fio's bandwidth (goal >= 0.85) | step / max(I/O, compute) (goal <= 1.15) |",
+                      "|---|---|---|---|---|---|---|---|"]
+            for i, g in enumerate(b["goals"]):
+                lines.append(f"| {i} | {g['step_s']:.1f} | {g['GB_read']:.1f} | {g['GB_written']:.1f} | {g['io_at_fio_s']:.1f} | "
+                             f"{g['compute_s']:.1f} | {g['of_fio']:.2f} | {g['step_over_max']:.2f} |")
+            lines.append("")
         for r, rk in enumerate(b["ranks"]):
             lines.append(f"- rank {r}: peak RSS {rk['peak_rss_GB']:.2f} GB, set-up {rk['setup_s']:.0f} s, O_DIRECT {bool(rk['direct_io'])}, "
                          f"memory_report host {rk['memory_report_GB']['host']:.2f} GB, nvme {rk['memory_report_GB']['nvme']:.1f} GB")
@@ -415,6 +538,8 @@ def main() -> None:
             res["io_buffered"] = swap_io(path, args.io_gb, direct=False)
         if "qd" in parts:
             res["qd"] = queue_depths(path, args.io_gb)
+        if "aio" in parts:
+            res["aio"] = aio_peers(path, args.io_gb)
         if "adam" in parts:
             res["adam"] = adam()
         if "steps" in parts:
