@@ -301,13 +301,18 @@ def _ds_rank(rank: int, world: int, port: int, spec: dict, out: str) -> None:
     try:
         torch.manual_seed(0)
         cfg = GPTConfig(**spec["model"])
-        model = GPT(cfg)
         config = {
             "train_micro_batch_size_per_gpu": spec["batch"][0], "gradient_accumulation_steps": 1,
             "optimizer": {"type": "AdamW", "params": {"lr": spec["lr"]}},
             "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, **spec["ds_zero"]},
+            **spec.get("ds_extra", {}),
         }
         t0 = time.perf_counter()
+        if spec.get("zero_init"):  # built partitioned (and on NVMe with offload_param), as a big model must be
+            with deepspeed.zero.Init(config_dict_or_path=config):
+                model = GPT(cfg)
+        else:
+            model = GPT(cfg)
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
         setup_s = time.perf_counter() - t0
         x, y = _batch(cfg, spec, rank)
@@ -319,6 +324,7 @@ def _ds_rank(rank: int, world: int, port: int, spec: dict, out: str) -> None:
             t1 = time.perf_counter()
             engine.step()
             steps.append({"loss": loss.item(), "step_s": time.perf_counter() - t0, "optimizer_s": time.perf_counter() - t1})
+            print(f"deepspeed rank {rank} step {len(steps)}: {steps[-1]}", flush=True)
         torch.save({"setup_s": setup_s, "steps": steps, "peak_rss": peak_rss()}, os.path.join(out, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -436,6 +442,28 @@ def io_goals(per_rank: list[list[dict]], disk: list[dict[str, float]]) -> list[d
     return out
 
 
+def big_deepspeed(nvme_path: str, steps: int = 3, limit_s: float = 2400.0) -> dict[str, Any]:
+    """DeepSpeed ZeRO-Infinity on :func:`big`'s model: stage 3, bf16, optimizer states and parameters on
+    NVMe, the model built under ``deepspeed.zero.Init``. Run the benchmark in a memory cgroup: a peer
+    that does not fit must be killed, not take the machine down."""
+    cfg = GPTConfig.for_params(1.75e9)
+    model = {k: getattr(cfg, k) for k in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd")}
+    ds_zero = {"sub_group_size": 30_000_000,
+               "offload_optimizer": {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 3},
+               "offload_param": {"device": "nvme", "nvme_path": nvme_path}}
+    res = deepspeed_peer({"model": model, "ds_zero": ds_zero, "ds_extra": {"bf16": {"enabled": True}}, "zero_init": True,
+                          "lr": 1e-4, "batch": [1, 32], "steps": steps}, limit_s=limit_s)
+    if isinstance(res, dict):
+        return res
+    return {"ranks": [{"setup_s": r["setup_s"], "peak_rss_GB": r["peak_rss"] / GB, "steps": r["steps"]} for r in res]}
+
+
+def _ds_rank_line(r: int, rk: dict) -> str:
+    times = ", ".join(f"{s['step_s']:.1f}" for s in rk["steps"])
+    losses = ", ".join(f"{s['loss']:.4f}" for s in rk["steps"])
+    return f"rank {r} steps {times} s, losses {losses}, peak RSS {rk['peak_rss_GB']:.2f} GB"
+
+
 def markdown(res: dict) -> str:
     lines = ["# Offload benchmark", "", "One run on the project machine (2 cores, 24 GiB, one virtual disk), world 2, gloo.", ""]
     if "fio" in res:
@@ -511,6 +539,11 @@ def markdown(res: dict) -> str:
                 lines.append(f"| {i} | {g['step_s']:.1f} | {g['GB_read']:.1f} | {g['GB_written']:.1f} | {g['io_at_fio_s']:.1f} | "
                              f"{g['compute_s']:.1f} | {g['of_fio']:.2f} | {g['step_over_max']:.2f} |")
             lines.append("")
+        ds = res.get("deepspeed_big")
+        if ds is not None:
+            lines += ["", "DeepSpeed ZeRO-Infinity on the same model (optimizer states and parameters on NVMe, built under "
+                      "`zero.Init`): " + (ds["error"] if "error" in ds else "; ".join(_ds_rank_line(r, rk) for r, rk in enumerate(ds["ranks"]))),
+                      ""]
         for r, rk in enumerate(b["ranks"]):
             lines.append(f"- rank {r}: peak RSS {rk['peak_rss_GB']:.2f} GB, set-up {rk['setup_s']:.0f} s, O_DIRECT {bool(rk['direct_io'])}, "
                          f"memory_report host {rk['memory_report_GB']['host']:.2f} GB, nvme {rk['memory_report_GB']['nvme']:.1f} GB")
@@ -546,6 +579,8 @@ def main() -> None:
             res["steps"] = steps_100m(path)
         if "big" in parts:
             res["big"] = big(path, queue_depth=args.queue_depth)
+        if "dsbig" in parts:
+            res["deepspeed_big"] = big_deepspeed(path)
     finally:
         shutil.rmtree(path, ignore_errors=True)
     Path(args.out + ".json").write_text(json.dumps(res, indent=1))
