@@ -48,13 +48,18 @@ def _offloaded(model: torch.nn.Module, data: list, stage: int, precision: str) -
     return losses, state, io, offload
 
 
-def _worker(rank: int, world: int) -> dict:
+def _on_cuda(rank: int) -> tuple[list, torch.nn.Module]:
+    """This rank's batches and the initial model, on cuda:0."""
     torch.use_deterministic_algorithms(True, warn_only=True)
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
     data = [(x.to(dev), y.to(dev)) for x, y in batches(rank, GAS * OPT_STEPS)]
     torch.manual_seed(0)
-    init = TinyLM().to(dev)
+    return data, TinyLM().to(dev)
+
+
+def _worker(rank: int, world: int) -> dict:
+    data, init = _on_cuda(rank)
     out = {"ref": reference(rank, copy.deepcopy(init), data)}
     for stage in (1, 2, 3):
         for precision in ("fp32", "bf16"):
@@ -88,12 +93,7 @@ def test_cpu_offload_on_cuda_matches_pytorch_and_copies_gradients_during_backwar
 
 
 def _params_in_files(rank: int, world: int, path: str) -> dict:
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    dev = torch.device("cuda", 0)
-    torch.cuda.set_device(dev)
-    data = [(x.to(dev), y.to(dev)) for x, y in batches(rank, GAS * OPT_STEPS)]
-    torch.manual_seed(0)
-    init = TinyLM().to(dev)
+    data, init = _on_cuda(rank)
     out = {}
     for precision in ("fp32", "bf16"):
         for name, extra in {
