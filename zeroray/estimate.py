@@ -43,6 +43,7 @@ from typing import Literal
 
 from zeroray.config import OffloadConfig, ZeroConfig
 from zeroray.engine.layout import shard_numel
+from zeroray.engine.param_swap import pool_size
 from zeroray.engine.swap import aligned
 
 Precision = Literal["fp32", "bf16", "fp16"]
@@ -103,7 +104,7 @@ def _one_stage(
         host += out["params"]
     elif offload_param == "nvme":
         nvme += aligned(out["params"])
-        host += max(2, param_buffer_count) * aligned(p * shard_numel(largest_unit, world_size)) if largest_unit else 0
+        host += pool_size(param_buffer_count) * aligned(p * shard_numel(largest_unit, world_size)) if largest_unit else 0
     if offload_param != "none":
         out["params"] = 0
     out["total"] = out["params"] + out["grads"] + out["optimizer"]

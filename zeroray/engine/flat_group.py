@@ -42,6 +42,14 @@ if TYPE_CHECKING:
     from zeroray.engine.param_swap import ParamFiles
 
 
+def _storageless(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A 1-D tensor of ``numel`` elements over no storage. A tensor of this shape cannot be made over
+    less: allocate (untouched) and free at once, as FSDP2 does."""
+    t = torch.empty(numel, dtype=dtype, device=device)
+    t.untyped_storage().resize_(0)
+    return t
+
+
 class ParamState(Enum):
     FREED = 0
     GATHERING = 1
@@ -90,10 +98,8 @@ class FlatGroup:
         # Built sharded: all-meta parameters that will be sharded need no full buffer at set-up.
         self._built_sharded = not self.has_real and sharding.shards_params
         if self._built_sharded:
-            # A tensor of this shape cannot be made over less storage: allocate (untouched) and
-            # free at once, as FSDP2 does; the storage comes back at the first gather.
-            self.full = torch.empty(self.padded, dtype=compute_dtype, device=device)
-            self.full.untyped_storage().resize_(0)
+            # The storage comes back at the first gather.
+            self.full = _storageless(self.padded, compute_dtype, device)
             self.shard = torch.zeros(self.shard_numel, dtype=compute_dtype, device=device)
             self.state = ParamState.FREED
         else:
@@ -187,8 +193,7 @@ class FlatGroup:
         """offload_param "nvme": ``files`` holds this group's shard from now on (it wrote it at its
         attach); the in-memory shard keeps its shape over no storage, so a stray read fails loudly."""
         self.files = files
-        self.shard = torch.empty(self.shard_numel, dtype=self.compute_dtype, device=self.shard.device)
-        self.shard.untyped_storage().resize_(0)
+        self.shard = _storageless(self.shard_numel, self.compute_dtype, self.shard.device)
 
     def write_shard(self, lo: int, hi: int, values: torch.Tensor, non_blocking: bool = False) -> None:
         """Set the compute shard's ``[lo, hi)`` to ``values`` (cast), in memory or in its file."""

@@ -29,12 +29,20 @@ if TYPE_CHECKING:
     from zeroray.engine.flat_group import FlatGroup
 
 
+MIN_BUFFERS = 2  # a staged write and a demand read may overlap
+
+
+def pool_size(buffer_count: int) -> int:
+    """Buffers the pool holds for ``offload_param.buffer_count``."""
+    return max(MIN_BUFFERS, buffer_count)
+
+
 class ParamFiles:
     """The swap files and the buffer pool of this rank's parameter shards; see the module docstring."""
 
     def __init__(self, swap: SwapDir, buffer_count: int):
         self.swap = swap
-        self.buffer_count = max(2, buffer_count)  # a staged write and a demand read may overlap
+        self.buffer_count = pool_size(buffer_count)
         self._groups: list[FlatGroup] = []
         self._index: dict[FlatGroup, int] = {}
         self._bufs: list[AlignedBuffer] = []
