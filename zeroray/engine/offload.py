@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from zeroray.engine.flat_group import FlatGroup
-from zeroray.engine.swap import ALIGN, AlignedBuffer, SwapDir, aligned, read_exact, wait_all
+from zeroray.engine.swap import ALIGN, AlignedBuffer, SwapDir, aligned, read_exact, settle_all, wait_all
 
 if TYPE_CHECKING:
     from zeroray.engine.sharded_optim import Piece, SubGroup
@@ -524,8 +524,7 @@ class NvmeHome(StateHome):
                     start(j + 1)
         finally:  # abandoned half-way: no read may land in a buffer the next step uses
             for futures in inflight.values():
-                for f in futures:
-                    f.exception()
+                settle_all(futures)
 
     def load_stream(self, subs: Sequence[SubGroup], keys: Callable[[Piece], Sequence[str]], fill: Fill,
                     scalars: Callable[[Piece], dict[str, float]], optimizer: torch.optim.Optimizer) -> None:
@@ -597,8 +596,7 @@ class NvmeHome(StateHome):
             self._drain()
         except BaseException:
             for futures in reads.values():
-                for f in futures:
-                    f.exception()
+                settle_all(futures)
             self._drain_quietly()
             self.swap.forget(sub + "/")
             copy.close()
@@ -608,8 +606,7 @@ class NvmeHome(StateHome):
 
     def _drain_quietly(self) -> None:
         for b in list(self._writes):
-            for f in self._writes.pop(b):
-                f.exception()
+            settle_all(self._writes.pop(b))
 
     def _rewrite(self, piece: Piece, edit: Callable[[AlignedBuffer, int, int], None]) -> None:
         """Read ``piece``'s file, ``edit(buffer, sub-group index, offset)``, write it back."""

@@ -161,6 +161,13 @@ def wait_all(futures: Sequence[Future]) -> None:
         f.result()
 
 
+def settle_all(futures: Sequence[Future]) -> None:
+    """Wait for every request without raising its error: for a caller already failing or abandoning
+    the transfer, so that no request still lands in a buffer that is reused."""
+    for f in futures:
+        f.exception()
+
+
 def _supports_direct(path: str) -> bool:
     probe = os.path.join(path, ".direct-probe")
     try:
