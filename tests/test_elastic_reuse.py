@@ -216,3 +216,27 @@ def test_a_rank_whose_loop_does_not_end_says_where_it_waits():
         actor.thread.join(10)
     assert why.startswith("its loop was still running after 0.05s (in the loop; at threading.py:"), why
     assert re.search(r"< test_elastic_reuse\.py:\d+ waits_in_a_collective_that_never_returns <", why), why
+
+
+def _imported(_actor, names: list[str]) -> dict[str, bool]:
+    import sys
+
+    import torch.distributed as dist
+
+    return {**{n: n in sys.modules for n in names}, "group": dist.is_initialized()}
+
+
+def test_a_new_rank_imports_ahead_of_its_first_group(ray_cluster):
+    """A new rank's process imports, while it is created, what its first rendezvous and engine build would
+    otherwise import with every rank waiting (a grow's spare does it while the old group trains), and joins no
+    group doing so."""
+    from zeroray.engine.comm import _WORLD_DEFAULT_MODULES
+    from zeroray.train.rank_actor import RankActor
+
+    actor = ray.remote(RankActor).options(num_cpus=1).remote("import-ahead", False)
+    try:
+        names = [*_WORLD_DEFAULT_MODULES, "torch._dynamo", "zeroray.train.ray_metrics"]
+        found = ray.get(actor.__ray_call__.remote(_imported, names), timeout=120)
+        assert found == {**{n: True for n in names}, "group": False}, found
+    finally:
+        ray.kill(actor)
