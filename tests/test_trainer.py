@@ -311,7 +311,11 @@ def test_ctrl_c_in_the_driver_tears_the_group_down(ray_cluster, tmp_path):
         assert_nothing_left("ctrl-c", [a.pid for a in alive])
         info = json.loads((tmp_path / "runs" / "ctrl-c" / "run.json").read_text())
         assert info["status"] == "ABORTED" and info["num_reports"] > 0
-    finally:
-        proc.communicate("\n", timeout=30) if proc.poll() is None else None
+    finally:  # never leave the driver (and its ranks, holding the cluster's CPUs) behind a failed assert
+        try:
+            proc.communicate("\n", timeout=30) if proc.poll() is None else None
+        except subprocess.TimeoutExpired:
+            pass
         if proc.poll() is None:
             proc.kill()
+            proc.wait(timeout=30)
