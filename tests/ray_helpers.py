@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -10,6 +11,12 @@ import psutil
 from ray.util import state
 
 from zeroray.train import RunConfig
+
+
+def interruptible() -> None:
+    """``preexec_fn`` of a subprocess a test sends Ctrl-C (SIGINT) to: a shell that starts the tests in the
+    background makes them ignore SIGINT, and a child inherits that, so its Ctrl-C would do nothing."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def run_config(tmp_path, name: str, **kw) -> RunConfig:

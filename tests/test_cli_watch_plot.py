@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 
 from tests.fixtures_s3 import s3  # noqa: F401
-from tests.ray_helpers import run_config
+from tests.ray_helpers import interruptible, run_config
 from zeroray.cli import main
 from zeroray.monitoring import run_history
 
@@ -361,7 +361,8 @@ def test_watch_follows_a_live_run_to_its_end(ray_cluster, tmp_path):
         assert first.count("run followed") <= 3, first  # a snapshot when the history changed, not every poll
 
         primary, replica = pty.openpty()
-        tty = subprocess.Popen(argv, stdout=replica, stderr=replica, stdin=replica, cwd=REPO, env=env)
+        tty = subprocess.Popen(argv, stdout=replica, stderr=replica, stdin=replica, cwd=REPO, env=env,
+                               preexec_fn=interruptible)
         procs.append(tty)
         os.close(replica)
         tty_out = _Output(primary)

@@ -24,6 +24,7 @@ import torch.distributed as dist
 import zeroray.train as zt
 from tests.ray_helpers import (
     assert_nothing_left,
+    interruptible,
     list_actors,
     list_placement_groups,
     run_config,
@@ -292,7 +293,8 @@ def test_ctrl_c_in_the_driver_tears_the_group_down(ray_cluster, tmp_path):
     script = tmp_path / "driver.py"
     script.write_text(_CTRL_C_DRIVER)
     proc = subprocess.Popen([sys.executable, str(script), ray_cluster["address"], str(tmp_path / "runs")],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=interruptible)
     out: list[str] = []
     try:
         # Wait until the loop is reporting (off a terminal, the progress prints "zeroray: step=...").
