@@ -1,4 +1,9 @@
-"""Run a function on N real processes joined in a gloo group (CPU), and collect what each returns."""
+"""Run a function on N real processes joined in a gloo group (CPU), and collect what each returns.
+
+The processes come from a fork server that imported torch once (``multiprocessing``'s "forkserver"
+start method with a preload), not from a fresh interpreter each: every process is still new and
+isolated (a crash there fails the test, not the suite), but does not pay torch's import again, the
+larger part of a short run's time."""
 
 from __future__ import annotations
 
@@ -12,6 +17,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+# Imported once, in the fork server; a test's own module is imported in each process as its function arrives.
+_PRELOAD = ["torch", "torch.distributed", "zeroray.engine", "zeroray.models.gpt", "tests.dist_harness"]
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -19,7 +27,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, out_dir: str, fn: Callable, args: tuple, backend: str) -> None:
+def _entry(rank: int, world: int, out_dir: str, fn: Callable, args: tuple, backend: str, env: dict[str, str]) -> None:
+    os.environ.clear()  # the caller's environment now, not the fork server's at its start
+    os.environ.update(env)
     torch.set_num_threads(1)
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -34,9 +44,11 @@ def _entry(rank: int, world: int, out_dir: str, fn: Callable, args: tuple, backe
 
 
 def run_ranks(fn: Callable[..., Any], world: int, *args: Any, backend: str = "gloo") -> list[Any]:
-    """``fn(rank, world, *args)`` on ``world`` spawned processes; returns each rank's result.
+    """``fn(rank, world, *args)`` on ``world`` new processes; returns each rank's result.
 
     ``backend="nccl"`` puts rank r on CUDA device r (mod the count) first."""
+    mp.get_context("forkserver").set_forkserver_preload(_PRELOAD)
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_entry, args=(world, out_dir, fn, args, backend), nprocs=world, join=True)
+        mp.start_processes(_entry, args=(world, out_dir, fn, args, backend, dict(os.environ)), nprocs=world,
+                           join=True, start_method="forkserver")
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
