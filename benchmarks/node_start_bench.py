@@ -7,11 +7,13 @@ A ``ray.cluster_utils.Cluster`` (a head without CPUs, one-CPU nodes, as ``elasti
 runs ``--busy`` actors spinning at niceness 0 (the training ranks) on nodes of their own. Then, per
 trial, a node is added and a real :class:`~zeroray.train.rank_actor.RankActor` is created on it, the
 way the worker group creates one; the time from ``add_node`` returning to the actor answering
-``node_info`` (its process started, torch, zeroray and its imports ahead done) is the start. Two ways
-to give the rank niceness 0 (Ray starts workers at 15) are compared:
+``node_info`` (its process started, torch, zeroray and its imports ahead done) is the start. Three ways
+to set the rank's niceness (Ray starts workers at 15) are compared:
 
-- ``runtime_env``: what zeroray does, ``runtime_env={"env_vars": {"RAY_worker_niceness": "0"}}`` on the
-  actor (the worker starts through the node's runtime-env agent);
+- ``start_ahead``: what zeroray does (``zeroray/train/priority.py``): the runtime env starts the worker
+  at ``START_NICENESS`` (below 0 where the node allows it) and the rank goes back to 0 after its imports;
+- ``runtime_env``: ``runtime_env={"env_vars": {"RAY_worker_niceness": "0"}}``, the start at 0 (zeroray
+  before); the worker starts through the node's runtime-env agent in both;
 - ``cluster_config``: the cluster started with ``_system_config={"worker_niceness": 0}``, no runtime env.
 
 Results: benchmarks/results/node_start.{json,md}.
@@ -34,8 +36,10 @@ from ray.cluster_utils import Cluster
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
+from zeroray.train.priority import RANK_RUNTIME_ENV  # noqa: E402
 from zeroray.train.rank_actor import RankActor  # noqa: E402
-from zeroray.train.worker_group import _RANK_RUNTIME_ENV  # noqa: E402
+
+NICE_0 = {"env_vars": {"RAY_worker_niceness": "0"}}  # a running rank's priority
 
 
 @ray.remote(num_cpus=1)
@@ -66,7 +70,7 @@ def run(mode: str, busy: int, trials: int) -> list[dict]:
     try:
         for i in range(busy):
             cluster.add_node(num_cpus=1, resources={f"busy{i}": 1})
-        spinners = [Busy.options(resources={f"busy{i}": 1}, max_concurrency=2, runtime_env=_RANK_RUNTIME_ENV).remote()
+        spinners = [Busy.options(resources={f"busy{i}": 1}, max_concurrency=2, runtime_env=NICE_0).remote()
                     for i in range(busy)]
         spins = [s.spin.remote() for s in spinners]
         time.sleep(3)
@@ -76,12 +80,13 @@ def run(mode: str, busy: int, trials: int) -> list[dict]:
             node = cluster.add_node(num_cpus=1, resources={f"new{k}": 1})
             t1 = time.perf_counter()
             opts = {"num_cpus": 1, "resources": {f"new{k}": 1}, "max_restarts": 0}
-            if mode == "runtime_env":
-                opts["runtime_env"] = _RANK_RUNTIME_ENV
+            if mode != "cluster_config":
+                opts["runtime_env"] = RANK_RUNTIME_ENV if mode == "start_ahead" else NICE_0
             actor = ray.remote(RankActor).options(**opts).remote("node-start", False)
             info = ray.get(actor.node_info.remote(), timeout=300)
             t2 = time.perf_counter()
-            nice = ray.get(actor.__ray_call__.remote(lambda self: os.nice(0)))
+            nice = ray.get(actor.__ray_call__.remote(lambda self: sorted(
+                {os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir("/proc/self/task")})))
             out.append({"add_node_s": round(t1 - t0, 2), "start_s": round(t2 - t1, 2), "niceness": nice,
                         "pid": info["pid"]})
             print(mode, busy, out[-1], flush=True)
@@ -101,16 +106,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--busy", default="0,3", help="spinning actors beside the new node, comma-separated")
     ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--modes", default="start_ahead,runtime_env,cluster_config")
     ap.add_argument("--out-dir", type=Path, default=HERE / "results")
     args = ap.parse_args()
     rows = []
     for busy in [int(b) for b in args.busy.split(",")]:
-        for mode in ("runtime_env", "cluster_config"):
+        for mode in args.modes.split(","):
             trials = run(mode, busy, args.trials)
             starts = [t["start_s"] for t in trials]
             rows.append({"mode": mode, "busy": busy, "trials": trials, "start_median_s": statistics.median(starts),
                          "start_min_s": min(starts), "start_max_s": max(starts),
-                         "niceness": sorted({t["niceness"] for t in trials})})
+                         "niceness": sorted({n for t in trials for n in t["niceness"]})})
     machine = f"{platform.node()} ({os.cpu_count()} cores)"
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "node_start.json").write_text(json.dumps({"machine": machine, "rows": rows}, indent=1))
@@ -118,7 +124,7 @@ def main() -> None:
              f"{machine}; a head without CPUs, one-CPU nodes; `--busy` actors spinning at niceness 0 on "
              f"nodes of their own; {args.trials} trials each. Start: `add_node` returned → the new "
              "`RankActor` answered `node_info`.", "",
-             "| busy processes | niceness from | start, median (min–max) | rank niceness |", "|---|---|---|---|"]
+             "| busy processes | the start's niceness | start, median (min–max) | the rank's threads' niceness after |", "|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['busy']} | {r['mode']} | {r['start_median_s']:.2f} s "
                      f"({r['start_min_s']:.2f}–{r['start_max_s']:.2f}) | {r['niceness']} |")

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -238,5 +240,27 @@ def test_a_new_rank_imports_ahead_of_its_first_group(ray_cluster):
         names = [*_WORLD_DEFAULT_MODULES, "torch._dynamo", "zeroray.train.ray_metrics"]
         found = ray.get(actor.__ray_call__.remote(_imported, names), timeout=120)
         assert found == {**{n: True for n in names}, "group": False}, found
+    finally:
+        ray.kill(actor)
+
+
+def _niceness_of_threads(_actor) -> list[int]:
+    return sorted({os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir("/proc/self/task")})
+
+
+def test_a_new_rank_starts_ahead_of_running_work_then_trains_at_normal_priority(ray_cluster):
+    """A rank's start (its process and imports) runs below the raylet's niceness where the node allows it, ahead
+    of the ranks already training there; then every thread of it goes back to the raylet's niceness."""
+    from zeroray.train.priority import RANK_RUNTIME_ENV, START_NICENESS
+    from zeroray.train.rank_actor import RankActor
+
+    base = os.getpriority(os.PRIO_PROCESS, 0)  # the local raylet's: it was started by this process
+    allowed = subprocess.run([sys.executable, "-c", f"import os; os.nice({START_NICENESS})"],
+                             capture_output=True).returncode == 0
+    actor = ray.remote(RankActor).options(num_cpus=1, runtime_env=RANK_RUNTIME_ENV).remote("priority", False)
+    try:
+        info = ray.get(actor.node_info.remote(), timeout=120)
+        assert info["start_niceness"] == (max(-20, base + START_NICENESS) if allowed else base), (info, allowed)
+        assert ray.get(actor.__ray_call__.remote(_niceness_of_threads), timeout=60) == [base]
     finally:
         ray.kill(actor)

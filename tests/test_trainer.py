@@ -48,7 +48,8 @@ def _ddp_loop(config):
     w_true = torch.tensor([[1.0], [-2.0], [0.5], [3.0]])
     infos = [None] * ctx.get_world_size()
     me = (ctx.get_world_rank(), ctx.get_local_rank(), ctx.get_node_rank(), str(ctx.get_device()),
-          ctx.get_experiment_name(), os.getpid(), os.environ["RANK"], dist.get_world_size(), os.nice(0))
+          ctx.get_experiment_name(), os.getpid(), os.environ["RANK"], dist.get_world_size(),
+          sorted({os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir("/proc/self/task")}))
     dist.all_gather_object(infos, me)
     for _step in range(config["steps"]):
         x = torch.randn(16, 4, generator=g)
@@ -94,7 +95,8 @@ def test_trainer_runs_on_n_workers(ray_cluster, tmp_path, workers):
     assert {i[2] for i in infos} == {0}
     assert {i[3] for i in infos} == {"cpu"} and {i[4] for i in infos} == {name}
     assert [i[6] for i in infos] == [str(r) for r in range(workers)] and {i[7] for i in infos} == {workers}
-    assert {i[8] for i in infos} == {0}  # the ranks run at normal priority, not Ray's worker niceness 15
+    # Every thread of every rank trains at normal priority: not Ray's worker niceness 15, nor the start's (priority.py).
+    assert [i[8] for i in infos] == [[os.getpriority(os.PRIO_PROCESS, 0)]] * workers
     pids = [i[5] for i in infos]
     assert len(set(pids)) == workers and os.getpid() not in pids
 

@@ -38,6 +38,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from zeroray.train.context import RankInfo
 from zeroray.train.errors import WorkerFailure
+from zeroray.train.priority import RANK_RUNTIME_ENV
 from zeroray.train.rank_actor import RankActor, actor_name
 from zeroray.train.report import Report
 from zeroray.train.run_spec import RunSpec
@@ -47,11 +48,6 @@ logger = logging.getLogger(__name__)
 
 ACTOR_CALL_TIMEOUT_S = 120.0  # node_info / rendezvous / setup calls; generous for slow image pulls
 ACTOR_RELEASE_SLACK_S = 10.0  # beyond the release wait itself: the call's round trip on a busy node
-
-
-# Ray starts worker processes at niceness 15, below the node's other work; the ranks are the job's main work
-# (as Ray Jobs does for its drivers). Ray merges these env_vars into the job's runtime_env.
-_RANK_RUNTIME_ENV = {"env_vars": {"RAY_worker_niceness": "0"}}
 
 
 class WorkerGroupStartError(RuntimeError):
@@ -182,7 +178,7 @@ class RankSlot:
 
     ``pg``/``bundle``: where it is placed; ``own_pg``: the placement group is the slot's own (elastic runs)
     and goes with it; ``name``: the Ray actor name it was created with (a kept actor keeps it when its rank
-    changes); ``node``: its ``node_info`` (node id, ip, pid, GPU ids)."""
+    changes); ``node``: its ``node_info`` (node id, ip, pid, GPU ids, the niceness its start ran at)."""
 
     actor: Any
     pg: PlacementGroup
@@ -524,7 +520,7 @@ def _new_slot(run: str, rank: int, taken: set[str], pg: PlacementGroup, bundle: 
         memory=resources.get("memory"),
         resources=custom or None,
         max_restarts=0,
-        runtime_env=_RANK_RUNTIME_ENV,
+        runtime_env=RANK_RUNTIME_ENV,
         scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle),
     ).remote(run, use_gpu)
     return RankSlot(actor, pg, bundle, own_pg, name)
