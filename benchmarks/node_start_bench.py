@@ -85,9 +85,8 @@ def run(mode: str, busy: int, trials: int) -> list[dict]:
             actor = ray.remote(RankActor).options(**opts).remote("node-start", False)
             info = ray.get(actor.node_info.remote(), timeout=300)
             t2 = time.perf_counter()
-            nice = ray.get(actor.__ray_call__.remote(lambda self: sorted(
-                {os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir("/proc/self/task")})))
-            out.append({"add_node_s": round(t1 - t0, 2), "start_s": round(t2 - t1, 2), "niceness": nice,
+            out.append({"add_node_s": round(t1 - t0, 2), "start_s": round(t2 - t1, 2),
+                        "start_niceness": info["start_niceness"], "niceness": info["niceness"],
                         "pid": info["pid"]})
             print(mode, busy, out[-1], flush=True)
             ray.kill(actor)
@@ -116,6 +115,7 @@ def main() -> None:
             starts = [t["start_s"] for t in trials]
             rows.append({"mode": mode, "busy": busy, "trials": trials, "start_median_s": statistics.median(starts),
                          "start_min_s": min(starts), "start_max_s": max(starts),
+                         "start_niceness": sorted({t["start_niceness"] for t in trials}),
                          "niceness": sorted({n for t in trials for n in t["niceness"]})})
     machine = f"{platform.node()} ({os.cpu_count()} cores)"
     args.out_dir.mkdir(parents=True, exist_ok=True)
@@ -124,9 +124,10 @@ def main() -> None:
              f"{machine}; a head without CPUs, one-CPU nodes; `--busy` actors spinning at niceness 0 on "
              f"nodes of their own; {args.trials} trials each. Start: `add_node` returned → the new "
              "`RankActor` answered `node_info`.", "",
-             "| busy processes | the start's niceness | start, median (min–max) | the rank's threads' niceness after |", "|---|---|---|---|"]
+             "| busy processes | mode | the start's niceness | start, median (min–max) | the rank's threads' niceness after |",
+             "|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['busy']} | {r['mode']} | {r['start_median_s']:.2f} s "
+        lines.append(f"| {r['busy']} | {r['mode']} | {r['start_niceness']} | {r['start_median_s']:.2f} s "
                      f"({r['start_min_s']:.2f}–{r['start_max_s']:.2f}) | {r['niceness']} |")
     (args.out_dir / "node_start.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

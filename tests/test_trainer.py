@@ -30,7 +30,7 @@ from tests.ray_helpers import (
     run_config,
     zeroray_actors,
 )
-from zeroray.train import FailureConfig, RunConfig, ScalingConfig, TrainingFailedError, ZeroTrainer
+from zeroray.train import FailureConfig, RunConfig, ScalingConfig, TrainingFailedError, ZeroTrainer, priority
 from zeroray.train.storage import StorageError
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -49,7 +49,7 @@ def _ddp_loop(config):
     infos = [None] * ctx.get_world_size()
     me = (ctx.get_world_rank(), ctx.get_local_rank(), ctx.get_node_rank(), str(ctx.get_device()),
           ctx.get_experiment_name(), os.getpid(), os.environ["RANK"], dist.get_world_size(),
-          sorted({os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir("/proc/self/task")}))
+          priority.threads_niceness())
     dist.all_gather_object(infos, me)
     for _step in range(config["steps"]):
         x = torch.randn(16, 4, generator=g)

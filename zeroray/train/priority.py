@@ -22,6 +22,22 @@ START_NICENESS = -10
 RANK_RUNTIME_ENV = {"env_vars": {"RAY_worker_niceness": str(START_NICENESS)}}
 
 
+def _thread_ids() -> list[int]:
+    tasks = "/proc/self/task"
+    return [int(t) for t in os.listdir(tasks)] if os.path.isdir(tasks) else [0]
+
+
+def threads_niceness() -> list[int]:
+    """The niceness values of this process's threads (a thread that ends while they are read is left out)."""
+    found = set()
+    for tid in _thread_ids():
+        try:
+            found.add(os.getpriority(os.PRIO_PROCESS, tid))
+        except ProcessLookupError:
+            pass
+    return sorted(found)
+
+
 def to_normal_priority() -> int:
     """Every thread of this process back to the niceness of the raylet that started it (its parent); returns
     the niceness the start ran at. Linux keeps a niceness per thread, and the threads started since Ray's
@@ -31,8 +47,7 @@ def to_normal_priority() -> int:
         normal = os.getpriority(os.PRIO_PROCESS, os.getppid())
     except ProcessLookupError:  # the raylet is gone: this process is about to be, too
         normal = 0
-    tasks = "/proc/self/task"
-    for tid in [int(t) for t in os.listdir(tasks)] if os.path.isdir(tasks) else [0]:
+    for tid in _thread_ids():
         try:
             if os.getpriority(os.PRIO_PROCESS, tid) < normal:
                 os.setpriority(os.PRIO_PROCESS, tid, normal)

@@ -30,7 +30,7 @@ from zeroray.engine import Comm, import_before_group
 from zeroray.train import checkpoint_manager, rendezvous
 from zeroray.train.context import RankInfo, Session, TrainContext, set_session
 from zeroray.train.errors import WorkerFailure, is_collective_error, is_collective_timeout
-from zeroray.train.priority import to_normal_priority
+from zeroray.train.priority import threads_niceness, to_normal_priority
 from zeroray.train.recovery_point import RecoveryPointReached
 from zeroray.train.run_spec import RunSpec
 
@@ -98,7 +98,8 @@ class RankActor:
 
         ctx = ray.get_runtime_context()
         return {"node_id": ctx.get_node_id(), "ip": rendezvous.node_address(), "pid": os.getpid(),
-                "gpu_ids": [str(g) for g in ray.get_gpu_ids()], "start_niceness": self.start_niceness}
+                "gpu_ids": [str(g) for g in ray.get_gpu_ids()], "start_niceness": self.start_niceness,
+                "niceness": threads_niceness()}
 
     def rendezvous_address(self) -> tuple[str, int]:
         """Rank 0 publishes where the group meets."""

@@ -178,7 +178,7 @@ class RankSlot:
 
     ``pg``/``bundle``: where it is placed; ``own_pg``: the placement group is the slot's own (elastic runs)
     and goes with it; ``name``: the Ray actor name it was created with (a kept actor keeps it when its rank
-    changes); ``node``: its ``node_info`` (node id, ip, pid, GPU ids, the niceness its start ran at)."""
+    changes); ``node``: its ``node_info`` (node id, ip, pid, GPU ids, the niceness its start ran at and its threads' now)."""
 
     actor: Any
     pg: PlacementGroup
