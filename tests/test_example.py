@@ -3,10 +3,14 @@ cluster, a tiny GPT, sharded checkpoints, and a resume of the same run by name."
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -27,8 +31,9 @@ def test_train_gpt_trains_checkpoints_and_resumes(tmp_path: Path) -> None:
     assert "memory per rank at the end (MiB):" in out
     assert (tmp_path / "smoke" / "checkpoint_6" / "manifest.json").exists()
 
-    done = _run(tmp_path, "--steps", "8", "--stage", "2")  # same run name: resumes at step 6
-    assert "at step 7 ->" in done.stdout and "at step 8" in done.stdout
+    # Same run name: resumes at step 6, at another stage and world size (more ranks than cores: --num-cpus).
+    done = _run(tmp_path, "--steps", "8", "--stage", "2", "--workers", "3", "--num-cpus", "3")
+    assert "at step 7 ->" in done.stdout and "at step 8" in done.stdout and "3 ranks" in done.stdout
     assert f"newest checkpoint: {tmp_path}/smoke/checkpoint_8 (step 8)" in done.stdout
     assert "resuming from checkpoint_6 (written at world 2, stage 3)" in done.stderr
 
@@ -45,16 +50,19 @@ def test_train_gpt_with_no_steps_or_more_workers_than_cpus(tmp_path: Path) -> No
     assert "no training step: the run is at step 0 and --steps is 0" in done.stdout
     assert "Traceback" not in done.stderr
 
-    for bad in ("3-2", "0", "two"):  # refused by the argument parser, before any Ray start
-        done = _run(tmp_path, "--workers", bad, returncode=2)
-        assert "--workers: expected" in done.stderr and bad in done.stderr and "Traceback" not in done.stderr
+    done = _run(tmp_path, "--workers", "two", returncode=2)  # refused by the argument parser, before any Ray start
+    assert "--workers: expected N or MIN-MAX, got 'two'" in done.stderr and "Traceback" not in done.stderr
+    spec = importlib.util.spec_from_file_location("train_gpt", ROOT / "examples" / "train_gpt.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    for bad in ("3-2", "0"):
+        with pytest.raises(argparse.ArgumentTypeError, match=f"expected 1 <= MIN <= MAX, got '{bad}'"):
+            example.workers_arg(bad)
 
     workers = str((os.cpu_count() or 1) + 1)
     done = _run(tmp_path, "--workers", workers, "--steps", "1", returncode=2)
     assert f"--workers {workers} needs {workers} CPUs" in done.stderr and f"--num-cpus {workers}" in done.stderr
     assert "Traceback" not in done.stderr
-    done = _run(tmp_path, "--workers", "3", "--num-cpus", "3", "--steps", "1", "--name", "three")
-    assert "at step 1" in done.stdout and "3 ranks" in done.stdout
 
 
 def test_finetune_hf_loads_pretrained_into_shards_and_exports_for_transformers(tmp_path: Path) -> None:
