@@ -10,10 +10,8 @@ Real processes (gloo), real swap files, peak RSS read from /proc in a fresh proc
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -22,6 +20,7 @@ import zeroray
 import zeroray.checkpoint as ckpt
 from tests.dist_harness import run_ranks
 from tests.models import TinyLM, batches, param_groups
+from tests.offload_helpers import run_rss_probe
 from zeroray.checkpoint.manifest import Manifest
 from zeroray.checkpoint.storage import open_url, read_manifest
 
@@ -141,10 +140,7 @@ def run_rss(nvme_path: str, url: str, layers: int = 24) -> dict:
     """Peak RSS growth (bytes) and seconds of a save, an AsyncSaver save and a load of a
     ``layers`` x 1M-parameter model, NVMe-offloaded with a pool of 3 x (master + 2 moments) x 4 MiB,
     in a fresh process."""
-    env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    out = subprocess.run([sys.executable, "-c", _RSS, nvme_path, url, str(layers)], env=env, capture_output=True,
-                         text=True, check=True)
-    return json.loads(out.stdout.splitlines()[-1])
+    return run_rss_probe(_RSS, nvme_path, url, str(layers))
 
 
 def test_nvme_save_and_load_peak_rss_is_bounded_by_the_pool_not_the_states(tmp_path):
@@ -154,8 +150,8 @@ def test_nvme_save_and_load_peak_rss_is_bounded_by_the_pool_not_the_states(tmp_p
     process by more than the pool plus its working set, far below the states. The working set is
     the checkpoint reader's: the 4 MiB checksum chunks a sub-group's ranges only partly cover are
     read into scratch, at most 2 per range read and 4 range reads in flight (32 MiB). Measured
-    here: save +0.3 MB, AsyncSaver save +4 MB (its copy of the swap files is read back through a
-    buffer of its own), load +25 MB. Before streaming, a save read every
+    here (mmap threshold fixed): save +0.3 MB, AsyncSaver save +4 MB (its copy of the swap files is
+    read back through a buffer of its own), load +13 MB. Before streaming, a save read every
     swap file into fresh tensors (+319 MB) and a load read the whole checkpoint into memory
     (+315 MB)."""
     (tmp_path / "swap").mkdir()
