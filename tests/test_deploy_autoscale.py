@@ -257,7 +257,7 @@ def fake_cluster(tmp_path: Path) -> Iterator[FakeCluster]:
         cluster.wait_for_dashboard(timeout_s=60.0)
         yield cluster
     finally:
-        end_processes(token, temp_dir)
+        end_processes(token, temp_dir, grace_s=3.0)
         left = cluster_processes(token, temp_dir)
         shutil.rmtree(temp_dir, ignore_errors=True)
         assert not left, f"processes of the fake cluster left running: {[(p.pid, p.name()) for p in left]}"

@@ -206,7 +206,9 @@ def _reference() -> tuple[dict[str, torch.Tensor], list[float]]:
     return {k: v.detach().clone() for k, v in model.named_parameters()}, losses
 
 
-@pytest.mark.parametrize("recovery", ["storage", "memory"])
+# Storage recovery (the default) is what the other elastic and trainer tests restart from; across real nodes
+# it runs with `-m slow`, out of the default suite to keep that under 20 minutes.
+@pytest.mark.parametrize("recovery", [pytest.param("storage", marks=pytest.mark.slow), "memory"])
 def test_elastic_run_grows_and_shrinks_with_nodes_and_matches_a_fixed_run(tmp_path, recovery):
     (tmp_path / "control").mkdir()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}

@@ -61,7 +61,7 @@ def test_world2_jobs_exit_cleanly() -> None:
     """A bounded number of real launches (2 interpreters each, all stages, with and without
     destroy_process_group): every rank exits with 0."""
     failures = []
-    for i in range(4):
+    for i in range(2):
         for rank, (rc, err) in enumerate(launch(2, destroy=i % 2 == 1)):
             if rc != 0:
                 failures.append(f"launch {i} rank {rank}: exit {rc}: {err[-500:]}")

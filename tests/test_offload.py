@@ -64,7 +64,7 @@ def tmpfs(tmp_path):
         subprocess.run(["umount", str(mnt)], check=True)
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("world", [1, 2, pytest.param(3, marks=pytest.mark.slow)])  # world 3: offload_params, reshard tests
 def test_offload_is_bitwise_equal_to_no_offload(world, tmp_path, tmpfs):
     results = run_ranks(_offload_worker, world, str(tmp_path), tmpfs)
     for rank, res in enumerate(results):
