@@ -50,7 +50,9 @@ def _held_loop(config):
                 time.sleep(0.05)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["sigkill", "sigstop"])
+# A SIGKILLed rank is also test_trainer_checkpoint's (restart from the last commit); -m slow runs it here.
+@pytest.mark.parametrize("sig", [pytest.param(signal.SIGKILL, marks=pytest.mark.slow), signal.SIGSTOP],
+                         ids=["sigkill", "sigstop"])
 def test_a_killed_or_hung_rank_is_noticed_and_the_group_restarts(ray_cluster, tmp_path, sig):
     import threading
 

@@ -42,7 +42,8 @@ def _launch(tmp_path: Path, stage: int) -> dict[int, dict]:
     return results
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+# Stage 2 mid-backward is also test_elastic_reuse's peer dying (through the trainer); -m slow runs it here.
+@pytest.mark.parametrize("stage", [pytest.param(2, marks=pytest.mark.slow), 3])
 def test_every_survivor_fails_soon_after_a_peer_dies_mid_backward(tmp_path, stage):
     results = _launch(tmp_path, stage)
     for rank, r in results.items():

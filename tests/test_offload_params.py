@@ -48,7 +48,7 @@ def _worker(rank: int, world: int, path: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("world", [1, 2, pytest.param(3, marks=pytest.mark.slow)])  # world 3: the reshard test
 def test_parameters_in_files_are_bitwise_equal_to_no_offload(world, tmp_path):
     for rank, res in enumerate(run_ranks(_worker, world, str(tmp_path))):
         assert res.pop("left") == [], "swap directories must be removed by close()"

@@ -63,7 +63,7 @@ def _ddp_loop(config):
 # ---------------------------------------------------------------------------------------------- runs
 
 
-@pytest.mark.parametrize("workers", [1, 2, 3])
+@pytest.mark.parametrize("workers", [1, 2, pytest.param(3, marks=pytest.mark.slow)])  # 3 ranks: the elastic tests
 def test_trainer_runs_on_n_workers(ray_cluster, tmp_path, workers):
     name = f"run-{workers}w"
     steps = 12

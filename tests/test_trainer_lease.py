@@ -3,6 +3,7 @@ runs; a lease left by a driver killed with SIGKILL is taken over once its heartb
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -113,7 +114,8 @@ def test_a_fresh_lease_file_refuses_and_an_unreadable_one_counts_as_stale(ray_cl
     with caplog.at_level(logging.WARNING, logger="zeroray.train.lease"):
         assert ZeroTrainer(_second_loop, run_config=rc).fit().metrics == {"driver": "second"}
     assert "taking over run 'held' from unknown" in caplog.text
-    assert sorted(os.listdir(run_dir)) == ["metrics.jsonl", "run.json"]
+    # The lease is gone; its lock file stays (deleting a lock file others may hold open races them).
+    assert sorted(os.listdir(run_dir)) == ["lease.json.lock", "metrics.jsonl", "run.json"]
     assert_nothing_left("held")
 
 
@@ -156,6 +158,34 @@ def test_lease_and_history_on_local_disk_and_object_storage(s3, tmp_path, where,
         second.release()
 
 
+def test_a_takeover_between_a_heartbeats_check_and_its_write_is_never_overwritten(tmp_path):
+    """A heartbeat reads the lease, checks the owner, then writes. Another driver's takeover landing in
+    between was overwritten, and the run that had lost the lease went on (the trainer test below hung
+    now and then). Under the lease's lock it cannot land there: over 30 takeovers of a lease beating
+    every 2.5 ms, each is noticed and none overwritten. Without the lock it failed: a takeover overwritten, never noticed."""
+    from zeroray.train.lease import RunLease
+    from zeroray.train.storage import RunStorage
+
+    for trial in range(30):
+        storage = RunStorage(str(tmp_path), f"run{trial}")
+        storage.validate(processes=1)
+        lease = RunLease(storage, timeout_s=0.01)
+        lease.acquire()
+        try:
+            time.sleep(0.003 * (trial % 7))  # land at a different point of the heartbeat's cycle each time
+            intruder = {"owner": f"other:{trial}", "started_at": time.time(), "heartbeat": time.time()}
+            path = Path(storage.dir) / "lease.json"
+            with open(f"{path}.lock", "a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                path.with_suffix(".tmp").write_text(json.dumps(intruder))
+                os.replace(path.with_suffix(".tmp"), path)
+            _wait_for(lambda lease=lease: lease.lost is not None, "the heartbeat to notice the takeover", 10)
+            assert json.loads(path.read_text())["owner"] == f"other:{trial}", trial
+        finally:
+            lease.release()
+        assert json.loads(path.read_text())["owner"] == f"other:{trial}"  # release leaves another's lease
+
+
 def _reports_forever():
     i = 0
     while True:
@@ -171,9 +201,14 @@ def test_a_run_that_loses_its_lease_stops(ray_cluster, tmp_path):
     intruder = {"owner": "other-driver:1:xyz", "started_at": time.time(), "heartbeat": time.time()}
 
     def take_over() -> None:
+        # As a lease writer must (lease.py): under the lease's lock, so no heartbeat can be between its
+        # check of the owner and its write. Without the lock this write was overwritten now and then, and
+        # the run went on forever.
         _wait_for(lambda: (run_dir / "metrics.jsonl").exists(), "the run's first report")
-        (run_dir / "lease.json.tmp").write_text(json.dumps(intruder))
-        os.replace(run_dir / "lease.json.tmp", run_dir / "lease.json")
+        with open(run_dir / "lease.json.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            (run_dir / "lease.json.tmp").write_text(json.dumps(intruder))
+            os.replace(run_dir / "lease.json.tmp", run_dir / "lease.json")
 
     thread = threading.Thread(target=take_over)
     thread.start()

@@ -8,7 +8,11 @@ older than the timeout belongs to a driver that died, and is taken over with a w
 deleted when the fit ends.
 
 On a local or network disk taking the lease is race-free: the file is created with ``os.link``
-(fails if it exists) and a stale one is first renamed away (only one renamer wins). Object stores
+(fails if it exists) and a stale one is first renamed away (only one renamer wins). Every read-then-write
+of the lease there (taking it, each heartbeat, the release) holds an exclusive ``flock`` on
+``<run>/lease.json.lock``, the protocol for anything that writes the lease: without it, a takeover
+that landed between a heartbeat's check of the owner and its write was overwritten, and the run
+that had lost the lease never noticed. Object stores
 have no such primitive here: the lease is written, then read back, and every heartbeat checks the
 owner, so of two fits that start in the same instant the one that lost notices at its next heartbeat
 and stops.
@@ -16,7 +20,9 @@ and stops.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import fcntl
 import json
 import logging
 import os
@@ -24,6 +30,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 from fsspec.implementations.local import LocalFileSystem
@@ -51,6 +58,7 @@ class RunLease:
         self.lost: str | None = None  # set by the heartbeat when another fit took the lease
         self._path = storage.path(LEASE)
         self._local = isinstance(storage.fs, LocalFileSystem)
+        self._lock_path = storage.fs._strip_protocol(self._path) + ".lock" if self._local else None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -58,6 +66,19 @@ class RunLease:
     def _body(self) -> bytes:
         return json.dumps({"owner": self.owner, "started_at": self.started_at, "heartbeat": time.time(),
                            "run": self.storage.name}).encode()
+
+    @contextlib.contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        """Hold the lease's lock file (local and network disks; object stores have no lock)."""
+        if self._lock_path is None:
+            yield
+            return
+        fd = os.open(self._lock_path, os.O_CREAT | os.O_RDWR, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
 
     def _read(self) -> dict[str, Any] | None:
         try:
@@ -111,6 +132,12 @@ class RunLease:
     # ------------------------------------------------------------------ life cycle
     def acquire(self) -> None:
         """Take the lease or raise RunLeaseError naming who holds it; then keep it fresh."""
+        with self._exclusive():
+            self._acquire()
+        self._thread = threading.Thread(target=self._heartbeat, name="zeroray-lease", daemon=True)
+        self._thread.start()
+
+    def _acquire(self) -> None:
         held = self._read()
         if held is None:
             self._create()
@@ -127,21 +154,20 @@ class RunLease:
         now = self._read()
         if now is None or now.get("owner") != self.owner:
             raise self._running(now or {})
-        self._thread = threading.Thread(target=self._heartbeat, name="zeroray-lease", daemon=True)
-        self._thread.start()
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(self.interval_s):
             try:
-                held = self._read()
-                if held is not None and held.get("owner") != self.owner:
-                    self.lost = (
-                        f"lost the lease of run {self.storage.name!r} to {held.get('owner')}: another fit() took "
-                        f"over {self.storage.url} (this driver's heartbeat was late by more than "
-                        f"RunConfig.lease_timeout_s={self.timeout_s:g}s)"
-                    )
-                    return
-                atomic_write(self.storage.fs, self._path, self._body())
+                with self._exclusive():
+                    held = self._read()
+                    if held is not None and held.get("owner") != self.owner:
+                        self.lost = (
+                            f"lost the lease of run {self.storage.name!r} to {held.get('owner')}: another fit() took "
+                            f"over {self.storage.url} (this driver's heartbeat was late by more than "
+                            f"RunConfig.lease_timeout_s={self.timeout_s:g}s)"
+                        )
+                        return
+                    atomic_write(self.storage.fs, self._path, self._body())
             except Exception as e:  # a storage hiccup: try again at the next beat
                 logger.warning("zeroray: could not refresh the lease %s: %s: %s", self._path, type(e).__name__, e)
 
@@ -151,8 +177,9 @@ class RunLease:
         if self._thread is not None:
             self._thread.join()
         try:
-            held = self._read()
-            if held is not None and held.get("owner") == self.owner:
-                self.storage.fs.rm_file(self._path)
+            with self._exclusive():
+                held = self._read()
+                if held is not None and held.get("owner") == self.owner:
+                    self.storage.fs.rm_file(self._path)
         except Exception as e:
             logger.warning("zeroray: could not release the lease %s: %s: %s", self._path, type(e).__name__, e)
