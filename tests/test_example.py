@@ -15,8 +15,11 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _run(tmp_path: Path, *args: str, returncode: int = 0) -> subprocess.CompletedProcess:
+def _run(tmp_path: Path, *args: str, returncode: int = 0, address: str | None = None) -> subprocess.CompletedProcess:
+    """The example in a subprocess: on an embedded Ray cluster, or on the one at ``address`` (RAY_ADDRESS)."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    if address:
+        env["RAY_ADDRESS"] = address
     cmd = [sys.executable, str(ROOT / "examples" / "train_gpt.py"), "--storage-path", str(tmp_path),
            "--name", "smoke", "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--block", "32", *args]
     done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
@@ -24,7 +27,7 @@ def _run(tmp_path: Path, *args: str, returncode: int = 0) -> subprocess.Complete
     return done
 
 
-def test_train_gpt_trains_checkpoints_and_resumes(tmp_path: Path) -> None:
+def test_train_gpt_trains_checkpoints_and_resumes(tmp_path: Path, ray_cluster: dict[str, str]) -> None:
     out = _run(tmp_path, "--steps", "6").stdout
     assert "loss: " in out and "at step 6" in out
     assert f"newest checkpoint: {tmp_path}/smoke/checkpoint_6 (step 6)" in out
@@ -37,20 +40,24 @@ def test_train_gpt_trains_checkpoints_and_resumes(tmp_path: Path) -> None:
     assert f"newest checkpoint: {tmp_path}/smoke/checkpoint_8 (step 8)" in done.stdout
     assert "resuming from checkpoint_6 (written at world 2, stage 3)" in done.stderr
 
-    # Resumed past --steps: nothing to train, said so (not an IndexError); the history keeps every fit's lines.
-    done = _run(tmp_path, "--steps", "5")
+    # Resumed past --steps, on a running cluster (RAY_ADDRESS): nothing to train, said so (not an
+    # IndexError); the history keeps every fit's lines.
+    done = _run(tmp_path, "--steps", "5", address=ray_cluster["address"])
     assert "no training step: the run is at step 8 and --steps is 5" in done.stdout, done.stderr[-3000:]
     assert "Traceback" not in done.stderr
     lines = (tmp_path / "smoke" / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 6 + 1 + 2 + 1 + 1  # 6 steps + sample, 2 steps + sample, sample
 
 
-def test_train_gpt_refuses_bad_workers_before_starting(tmp_path: Path) -> None:
-    done = _run(tmp_path, "--workers", "two", returncode=2)  # refused by the argument parser, before any Ray start
-    assert "--workers: expected N or MIN-MAX, got 'two'" in done.stderr and "Traceback" not in done.stderr
+def test_train_gpt_refuses_bad_workers_before_starting(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
     spec = importlib.util.spec_from_file_location("train_gpt", ROOT / "examples" / "train_gpt.py")
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
+    monkeypatch.setattr(sys, "argv", ["train_gpt.py", "--workers", "two"])
+    with pytest.raises(SystemExit) as exited:  # refused by the argument parser, before any Ray start
+        example.main()
+    assert exited.value.code == 2 and "--workers: expected N or MIN-MAX, got 'two'" in capsys.readouterr().err
     for bad in ("3-2", "0"):
         with pytest.raises(argparse.ArgumentTypeError, match=f"expected 1 <= MIN <= MAX, got '{bad}'"):
             example.workers_arg(bad)
