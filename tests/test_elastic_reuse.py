@@ -233,9 +233,12 @@ def test_a_new_rank_imports_ahead_of_its_first_group(ray_cluster):
     otherwise import with every rank waiting (a grow's spare does it while the old group trains), and joins no
     group doing so."""
     from zeroray.engine.comm import _WORLD_DEFAULT_MODULES
+    from zeroray.train.priority import RANK_RUNTIME_ENV
     from zeroray.train.rank_actor import RankActor
 
-    actor = ray.remote(RankActor).options(num_cpus=1).remote("import-ahead", False)
+    # Started as the worker group starts a rank: without its runtime env the process runs at Ray's worker
+    # niceness (15), and beside busy processes its imports took over the 120 s below.
+    actor = ray.remote(RankActor).options(num_cpus=1, runtime_env=RANK_RUNTIME_ENV).remote("import-ahead", False)
     try:
         names = [*_WORLD_DEFAULT_MODULES, "torch._dynamo", "zeroray.train.ray_metrics"]
         found = ray.get(actor.__ray_call__.remote(_imported, names), timeout=120)
