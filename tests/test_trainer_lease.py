@@ -47,6 +47,15 @@ def _wait_for(check, what: str, timeout_s: float = 120.0) -> None:
         time.sleep(0.2)
 
 
+def _take_over(run_dir: Path, intruder: dict) -> None:
+    """Another driver's takeover, written as a lease writer must (lease.py): under the lease's lock, so no
+    heartbeat can be between its check of the owner and its write."""
+    with open(run_dir / "lease.json.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        (run_dir / "lease.json.tmp").write_text(json.dumps(intruder))
+        os.replace(run_dir / "lease.json.tmp", run_dir / "lease.json")
+
+
 def _second_loop():
     zt.report({"driver": "second"})
 
@@ -175,10 +184,7 @@ def test_a_takeover_between_a_heartbeats_check_and_its_write_is_never_overwritte
             time.sleep(0.003 * (trial % 7))  # land at a different point of the heartbeat's cycle each time
             intruder = {"owner": f"other:{trial}", "started_at": time.time(), "heartbeat": time.time()}
             path = Path(storage.dir) / "lease.json"
-            with open(f"{path}.lock", "a") as lock:
-                fcntl.flock(lock, fcntl.LOCK_EX)
-                path.with_suffix(".tmp").write_text(json.dumps(intruder))
-                os.replace(path.with_suffix(".tmp"), path)
+            _take_over(path.parent, intruder)
             _wait_for(lambda lease=lease: lease.lost is not None, "the heartbeat to notice the takeover", 10)
             assert json.loads(path.read_text())["owner"] == f"other:{trial}", trial
         finally:
@@ -201,14 +207,9 @@ def test_a_run_that_loses_its_lease_stops(ray_cluster, tmp_path):
     intruder = {"owner": "other-driver:1:xyz", "started_at": time.time(), "heartbeat": time.time()}
 
     def take_over() -> None:
-        # As a lease writer must (lease.py): under the lease's lock, so no heartbeat can be between its
-        # check of the owner and its write. Without the lock this write was overwritten now and then, and
-        # the run went on forever.
+        # Without the lock this write was overwritten now and then, and the run went on forever.
         _wait_for(lambda: (run_dir / "metrics.jsonl").exists(), "the run's first report")
-        with open(run_dir / "lease.json.lock", "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            (run_dir / "lease.json.tmp").write_text(json.dumps(intruder))
-            os.replace(run_dir / "lease.json.tmp", run_dir / "lease.json")
+        _take_over(run_dir, intruder)
 
     thread = threading.Thread(target=take_over)
     thread.start()
