@@ -31,6 +31,7 @@ from zeroray.config_loader import ConfigArg, load_config
 from zeroray.engine import units as unit_plan
 from zeroray.engine.comm import Comm, InFlight
 from zeroray.engine.flat_group import FlatGroup
+from zeroray.engine.gather_pool import GatherPool
 from zeroray.engine.layout import TensorSlot
 from zeroray.engine.loss_scaler import LossScaler
 from zeroray.engine.materialize import InitFn, MetaInit, compute_device, meta_tensor_ids
@@ -207,6 +208,7 @@ class ZeroEngine:
             self.units = []
             plans = unit_plan.plan_buckets(model, group_of, config.comm.reduce_bucket_size)
         self.groups: list[FlatGroup] = []
+        self.gather_pool = GatherPool()  # stage 3: gathers reuse freed gather memory
         unit_groups: dict[int | None, list[FlatGroup]] = {}
         pending: list[FlatGroup] = []  # stage 3: groups with meta parameters, installed once initialized
         for plan in plans:
@@ -222,6 +224,7 @@ class ZeroEngine:
                 trainable=plan.param_group is not None,
                 param_group=plan.param_group,
                 device=self.device,
+                pool=self.gather_pool,
             )
             if g.has_meta:
                 pending.append(g)
@@ -609,6 +612,7 @@ class ZeroEngine:
         }
         report["master_weights"] = opt["master"]
         report["grad_buffers_cached"] = self.reducer.cached_bytes()  # reused temporaries, stages 2-3
+        report["gather_buffers_cached"] = self.gather_pool.cached_bytes()  # free gather memory, stage 3
         report["optimizer_states"] = opt["states"]
         report["total"] = report["params"] + report["grads"] + report["optimizer"] + report["buffers"]
         # Offload: bytes kept off the device, in host memory and in swap files (not in "total").
@@ -723,6 +727,7 @@ class ZeroEngine:
             if self.comm.aborted is None:
                 for g in self.groups:
                     g.keep_gathered()
+        self.gather_pool.clear()
         if self._guard is not None:
             self._guard.remove()
         self._template_hook.remove()

@@ -36,6 +36,7 @@ from torch import nn
 from zeroray.config import Sharding
 from zeroray.engine import layout
 from zeroray.engine.comm import Comm, Handle
+from zeroray.engine.gather_pool import GatherPool
 from zeroray.engine.grad_buffer import GradBuffer
 
 if TYPE_CHECKING:
@@ -71,9 +72,11 @@ class FlatGroup:
         trainable: bool,
         param_group: int | None,
         device: torch.device,
+        pool: GatherPool,
     ):
         self.name = name
         self.comm = comm
+        self.pool = pool  # where gathered memory comes from and goes back to (sharded params)
         self.sharding = sharding
         self.trainable = trainable
         self.param_group = param_group
@@ -187,7 +190,7 @@ class FlatGroup:
             else:
                 self.grad_shard = torch.zeros(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
         if self.sharding.shards_params:
-            self._free_storage()
+            self._free_storage(to_pool=False)  # the pool keeps only memory that gathers use
 
     def park(self, files: ParamFiles) -> None:
         """offload_param "nvme": ``files`` holds this group's shard from now on (it wrote it at its
@@ -211,20 +214,25 @@ class FlatGroup:
             p.data = self.full[slot.offset : slot.end].view(slot.shape)
 
     # ------------------------------------------------------------------ sharded params: gather / free
-    def _free_storage(self) -> None:
+    def _free_storage(self, to_pool: bool = True) -> None:
+        """Point the parameters at the placeholder; ``full``'s memory goes to the pool (or, at
+        set-up, back to the allocator)."""
         # Refilled at every free: fill_() on a placeholder (allowed on overlapping memory) must not
         # turn the next reads into plausible numbers.
         self._placeholder.fill_(float("nan") if self.compute_dtype.is_floating_point else 0)
         for slot, p in zip(self.slots, self.params):
             p.data = self._placeholder.as_strided(slot.shape, [0] * len(slot.shape))
-        self.full.untyped_storage().resize_(0)
+        if to_pool:
+            self.pool.empty(self.full)
+        else:
+            self.full.untyped_storage().resize_(0)
         self.state = ParamState.FREED
 
     def start_gather(self) -> None:
         """Issue the all-gather of this group's shards (async); no-op unless freed."""
         if self.state is not ParamState.FREED:
             return
-        self.full.untyped_storage().resize_(self.padded * self.full.element_size())
+        self.pool.fill(self.full, self.padded * self.full.element_size())
         if self.files is not None:  # read (usually ahead already) straight into my slice of full
             shard = self.full[self.lo : self.hi]
             self.files.fill(self, shard)
