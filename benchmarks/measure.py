@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import resource
+import threading
 import warnings
 from collections.abc import Iterable
 
@@ -105,13 +106,52 @@ class _MallInfo2(ctypes.Structure):
     ]
 
 
-def malloc_bytes() -> dict[str, int] | None:
-    """glibc's view of this process's heap (``mallinfo2``): bytes in use, free but still held
-    (resident until reused: what peak RSS counts beyond live memory) and mmapped. None elsewhere."""
+def _mallinfo2() -> ctypes._CFuncPtr | None:
     try:
         libc = ctypes.CDLL("libc.so.6")
         libc.mallinfo2.restype = _MallInfo2
-        m = libc.mallinfo2()
     except (OSError, AttributeError):  # not glibc, or glibc < 2.33
         return None
+    return libc.mallinfo2
+
+
+def malloc_bytes() -> dict[str, int] | None:
+    """glibc's view of this process's heap (``mallinfo2``): bytes in use, free but still held
+    (resident until reused: what peak RSS counts beyond live memory) and mmapped. None elsewhere
+    (under jemalloc, glibc's counters read 0)."""
+    mallinfo2 = _mallinfo2()
+    if mallinfo2 is None:
+        return None
+    m = mallinfo2()
     return {"in_use": m.uordblks, "free_held": m.fordblks, "mmapped": m.hblkhd}
+
+
+class HeapPeak:
+    """The most bytes malloc had handed out (heap in use plus mmapped chunks) while the block ran,
+    sampled from a thread every ``interval`` seconds: the memory a step really uses, without what the
+    allocator keeps resident on top (peak RSS counts both). ``peak`` stays None without glibc."""
+
+    def __init__(self, interval: float = 0.0005) -> None:
+        self.interval = interval
+        self.peak: int | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._mallinfo2 = _mallinfo2()
+
+    def _sample(self) -> None:
+        while True:
+            m = self._mallinfo2()
+            self.peak = max(self.peak or 0, m.uordblks + m.hblkhd)
+            if self._stop.wait(self.interval):
+                return
+
+    def __enter__(self) -> HeapPeak:
+        if self._mallinfo2 is not None:
+            self._thread = threading.Thread(target=self._sample, name="heap-peak", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()

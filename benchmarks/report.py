@@ -58,6 +58,7 @@ def summarize(jobs: list[dict]) -> dict[tuple[str, int, str], dict]:
             formula=estimate(job["num_params"], ws, stage, precision)["total"],
             rss=max(r["peak_rss"] for r in ranks),
             rss_growth=max(r["peak_rss"] - r.get("rss_base", 0) for r in ranks),
+            heap_growth=max((r.get("heap_peak_growth") or 0 for r in ranks), default=0) or None,
             comm=comm,
             comm_measured=sum(ranks[0]["comm_measured"].values()),
             comm_source=comm_source,
@@ -91,6 +92,10 @@ def markdown(rows: dict[tuple[str, int, str], dict], meta: dict) -> str:
         "peers: measured by a dispatch mode that sees every c10d collective.",
         "- **live tensors**: every tensor storage reachable from Python on the rank at the same moment "
         "(max over ranks), measured alike for all systems: model states plus buffers, inputs and caches.",
+        "- **RSS growth**: peak RSS minus the RSS before the model was built (max over ranks). **malloc peak "
+        "growth**: the most bytes glibc's malloc had handed out (heap in use plus mmapped chunks) during the "
+        "last, untimed step, sampled every 0.5 ms, over the same starting point: what the step uses, "
+        "without what the allocator keeps resident.",
         "- **÷**: zeroray at the matching stage divided by the peer (below 1: zeroray is faster / smaller).",
         "",
         "Systems:",
@@ -109,9 +114,9 @@ def markdown(rows: dict[tuple[str, int, str], dict], meta: dict) -> str:
                 f"## {precision}, world size {ws} ({n / 1e6:.1f}M parameters)",
                 "",
                 "| system | stage | step (s) | params (MiB) | grads (MiB) | optimizer (MiB) | model states (MiB) "
-                "| ZeRO formula (MiB) | live tensors (MiB) | peak RSS (MiB) | RSS growth (MiB) | comm/step (MiB) "
-                "| comm source | ÷ step | ÷ states | ÷ comm |",
-                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+                "| ZeRO formula (MiB) | live tensors (MiB) | peak RSS (MiB) | RSS growth (MiB) | malloc peak growth (MiB) "
+                "| comm/step (MiB) | comm source | ÷ step | ÷ states | ÷ comm |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
             ]
             for system in SYSTEMS:
                 row = rows.get((precision, ws, system))
@@ -119,7 +124,7 @@ def markdown(rows: dict[tuple[str, int, str], dict], meta: dict) -> str:
                     continue
                 if "median_s" not in row:
                     lines.append(
-                        f"| {system} | failed: {row['errors'][0].splitlines()[0][:80]} |" + " |" * 13
+                        f"| {system} | failed: {row['errors'][0].splitlines()[0][:80]} |" + " |" * 14
                     )
                     continue
                 base = rows.get((precision, ws, f"zeroray-{row['stage']}"), {})
@@ -134,7 +139,7 @@ def markdown(rows: dict[tuple[str, int, str], dict], meta: dict) -> str:
                     system + (" †" if row["teardown_crash"] else ""), str(row["stage"]), f"{row['median_s']:.3f}",
                     f"{m['params'] / MIB:.1f}", f"{m['grads'] / MIB:.1f}", f"{m['optimizer'] / MIB:.1f}",
                     f"{row['mem_total'] / MIB:.1f}", f"{row['formula'] / MIB:.1f}", f"{row['live'] / MIB:.1f}", f"{row['rss'] / MIB:.0f}", f"{row['rss_growth'] / MIB:.0f}",
-                    f"{row['comm'] / MIB:.1f}", row["comm_source"], *ratios,
+                    f"{row['heap_growth'] / MIB:.0f}" if row["heap_growth"] else "—", f"{row['comm'] / MIB:.1f}", row["comm_source"], *ratios,
                 ]  # fmt: skip
                 lines.append("| " + " | ".join(cells) + " |")
             lines.append("")
@@ -167,6 +172,13 @@ def targets(rows: dict[tuple[str, int, str], dict]) -> list[str]:
                     f"| {precision} | {ws} | {mine} ÷ {peer} {what} | {r:.2f} | ≤ {goal:.2f} | "
                     f"{'met' if r <= goal else '**missed**'} |"
                 )
+                if field == "rss_growth" and a.get("heap_growth") and b.get("heap_growth"):
+                    # Beside it, not a goal: the same ratio of the bytes malloc handed out, which
+                    # leaves out what the allocator keeps resident.
+                    out.append(
+                        f"| {precision} | {ws} | {mine} ÷ {peer} malloc peak growth | "
+                        f"{a['heap_growth'] / b['heap_growth']:.2f} | | |"
+                    )
     return out + [""] if len(out) > 4 else []
 
 

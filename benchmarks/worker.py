@@ -13,7 +13,15 @@ import time
 
 import torch
 import torch.distributed as dist
-from measure import CommCounter, current_rss_bytes, live_storages, malloc_bytes, peak_rss_bytes, storages
+from measure import (
+    CommCounter,
+    HeapPeak,
+    current_rss_bytes,
+    live_storages,
+    malloc_bytes,
+    peak_rss_bytes,
+    storages,
+)
 from systems import System, build
 
 from zeroray.models.gpt import GPT, GPTConfig
@@ -54,6 +62,8 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = GPTConfig.for_params(args.params, block_size=max(256, args.seq))
     rss_base = current_rss_bytes()  # after imports and the process group, before the model
+    start = malloc_bytes()
+    heap_base = 0 if start is None else start["in_use"] + start["mmapped"]  # 0: not glibc's malloc
     torch.manual_seed(0)
     model = GPT(cfg)
     n_params = model.num_params()
@@ -74,12 +84,12 @@ def main() -> None:
     step_times = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(step_times, op=dist.ReduceOp.MAX)
 
-    # One more step, untimed: count its collectives and read memory between backward and step,
-    # when gradients and optimizer state both exist.
+    # One more step, untimed: count its collectives, follow malloc's peak and read memory between
+    # backward and step, when gradients and optimizer state both exist.
     x, y = batch(cfg, args.micro_batch, args.seq, rank, args.warmup + args.steps)
     system.reset_comm_report()
     counter = CommCounter()
-    with counter:
+    with counter, HeapPeak() as heap_peak:
         system.forward_backward(x, y)
         live = live_storages()
         reported_mem = system.memory_report()
@@ -94,6 +104,8 @@ def main() -> None:
         "peak_rss": peak_rss_bytes(),
         "rss_base": rss_base,
         "malloc": heap,  # glibc's in-use / free-but-held bytes at the same moment
+        # malloc's bytes handed out at their peak in that step, over those before the model (glibc only)
+        "heap_peak_growth": heap_peak.peak - heap_base if heap_peak.peak and heap_base else None,
         "comm_measured": counter.bytes,
         "comm_reported": reported_comm,
     }
