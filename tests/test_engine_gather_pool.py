@@ -4,7 +4,7 @@ A freed unit's gather memory goes back to the engine's pool and the next gather 
 it, so the pool holds the root's buffer and as many block buffers as were gathered at once (the one
 running and the one prefetched), and no more however many steps run. Autograd's saved views of a
 block's parameters see its values again when it is gathered for backward into another buffer of
-the pool: the losses match the same model with every block gathered into fresh memory.
+the pool: the losses do not depend on which buffer each gather lands in.
 """
 
 from __future__ import annotations

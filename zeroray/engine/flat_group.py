@@ -5,11 +5,11 @@ buffer), so the user's module runs unchanged. What this rank keeps persistently 
 config's :class:`~zeroray.config.Sharding` flags:
 
 - parameters: ``full`` (every parameter), or with ``shards_params`` only ``shard`` (its slice);
-  then ``full``'s storage is resized to zero between uses and gathered again on demand. While
-  freed, each parameter points at a placeholder of its own shape over one NaN element (all strides
-  0), so nothing can reach freed memory and ``p.shape`` / ``p.numel()`` stay right for code that
-  counts or checks them (:mod:`zeroray.engine.param_guard` turns any use of the values into an
-  error naming the parameter);
+  then ``full``'s storage gives its memory back to the :class:`GatherPool` between uses and is
+  gathered again on demand. While freed, each parameter points at a placeholder of its own shape
+  over one NaN element (all strides 0), so nothing can reach freed memory and ``p.shape`` /
+  ``p.numel()`` stay right for code that counts or checks them (:mod:`zeroray.engine.param_guard`
+  turns any use of the values into an error naming the parameter);
 - gradients (in the precision policy's ``reduce_dtype``): a full :class:`GradBuffer`, or with
   ``shards_grads`` only the gradient shard (stage 2-3 reduce from pooled temporaries);
 - the fp32 master shard (a view of the compute shard in plain fp32, its own tensor otherwise)
