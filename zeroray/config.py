@@ -57,7 +57,7 @@ def _positive_int(field: str, v: Any, what: str = "a positive integer") -> Probl
 
 def _flag(field: str, v: Any, auto: bool = False) -> Problems:
     if not isinstance(v, bool) and not (auto and v is None):
-        yield field, f"must be true or false{' or None (chosen by backend)' if auto else ''}, got {v!r}"
+        yield field, f"must be true or false{' or None (automatic)' if auto else ''}, got {v!r}"
 
 
 @dataclass(frozen=True)
@@ -245,6 +245,9 @@ class ZeroConfig:
     # The optimizer steps this rank's shard in sub-groups of at most this many elements, one after
     # another (DeepSpeed's key and default); with NVMe offload it sizes the host buffers.
     sub_group_size: int = 1_000_000_000
+    # Stage 3 on CPU: return the C heap's free pages to the OS after each unit's backward (glibc's
+    # malloc_trim; engine/heap_trim.py). Lower peak RSS for more step time, so off by default.
+    trim_host_heap: bool = False
 
     def __post_init__(self) -> None:
         problems: list[tuple[str, str]] = []
@@ -300,6 +303,7 @@ class ZeroConfig:
             else:
                 yield name, f"must be an OffloadConfig or a dict, got {sub!r}"
         yield from _positive_int("sub_group_size", self.sub_group_size, "a positive number of elements")
+        yield from _flag("trim_host_heap", self.trim_host_heap)
         yield from self._offload_problems()
         if self.units is not None and (
             not isinstance(self.units, tuple) or not all(isinstance(u, str) for u in self.units)

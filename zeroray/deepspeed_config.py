@@ -146,6 +146,7 @@ TABLE: dict[str, Entry] = {
     "zero_optimization.reduce_scatter": Field("comm.reduce_scatter"),
     "zero_optimization.all_gather_by_broadcast": Field("comm.all_gather_by_broadcast", note="zeroray's own"),
     "zero_optimization.zeroray_units": Field("units", note="zeroray's own"),
+    "zero_optimization.zeroray_trim_host_heap": Field("trim_host_heap", note="zeroray's own"),
     "zero_optimization.offload_optimizer.device": Field("offload_optimizer.device"),
     "zero_optimization.offload_optimizer.nvme_path": Field("offload_optimizer.nvme_path"),
     "zero_optimization.offload_optimizer.pin_memory": Field("offload_optimizer.pin_memory"),

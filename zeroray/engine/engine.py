@@ -32,6 +32,7 @@ from zeroray.engine import units as unit_plan
 from zeroray.engine.comm import Comm, InFlight
 from zeroray.engine.flat_group import FlatGroup
 from zeroray.engine.gather_pool import GatherPool
+from zeroray.engine.heap_trim import HeapTrimmer
 from zeroray.engine.layout import TensorSlot
 from zeroray.engine.loss_scaler import LossScaler
 from zeroray.engine.materialize import InitFn, MetaInit, compute_device, meta_tensor_ids
@@ -284,6 +285,9 @@ class ZeroEngine:
             self.scheduler = UnitScheduler(model, root, units, config.comm.prefetch_bucket_size, read_ahead)
             units = [root, *units]
             self._guard = ParamGuard(model, self.groups, {g: u.name for u in units for g in u.groups})
+        # Stage 3 with trim_host_heap: the C heap's free pages go back to the OS after each unit's
+        # backward (a no-op where the C library is not glibc).
+        self.heap_trimmer = HeapTrimmer() if config.trim_host_heap and sharding.shards_params else None
         self.reducer = GradReducer(
             self.groups,
             reduce_every_micro_step=sharding.shards_grads,
@@ -291,6 +295,7 @@ class ZeroEngine:
             max_inflight=config.comm.reduce_bucket_size,
             units=units,
             on_final=home.grad_ready if home.early_grads else None,
+            trimmer=self.heap_trimmer,
         )
         self._setup_comm = self.comm.report()
         self.comm.reset()  # the report counts training traffic, not set-up

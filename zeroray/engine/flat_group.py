@@ -215,8 +215,8 @@ class FlatGroup:
 
     # ------------------------------------------------------------------ sharded params: gather / free
     def _free_storage(self, to_pool: bool = True) -> None:
-        """Point the parameters at the placeholder; ``full``'s memory goes to the pool (or, at
-        set-up, back to the allocator)."""
+        """Point the parameters at the placeholder; ``full``'s memory goes to the pool (or back to
+        the allocator: at set-up, and the root unit freed early in backward)."""
         # Refilled at every free: fill_() on a placeholder (allowed on overlapping memory) must not
         # turn the next reads into plausible numbers.
         self._placeholder.fill_(float("nan") if self.compute_dtype.is_floating_point else 0)
@@ -252,13 +252,14 @@ class FlatGroup:
             self._point_params_at_full()
             self.state = ParamState.GATHERED
 
-    def free(self) -> None:
-        """Drop the full parameters (sharded params only); waits for an in-flight gather first."""
+    def free(self, to_pool: bool = True) -> None:
+        """Drop the full parameters (sharded params only); waits for an in-flight gather first.
+        ``to_pool=False``: the memory goes back to the allocator, not to the gather pool."""
         if not self.sharding.shards_params or self.state is ParamState.FREED:
             return
         if self.state is ParamState.GATHERING:
             self.wait_gather()
-        self._free_storage()
+        self._free_storage(to_pool)
 
     def keep_gathered(self) -> None:
         """Gather and stop sharding the parameters for good (the engine is closing)."""

@@ -13,7 +13,12 @@ A stage-3 :class:`~zeroray.engine.unit.Unit` is told when one of its groups was 
 can free its parameters early. ``finish()`` (end of backward) reduces groups whose parameters got
 no gradient, so every rank issues the same collectives, and waits for all. In-flight temporaries
 are bounded by ``reduce_bucket_size`` elements (at least one reduction may always be in flight),
-so stages 2-3 never hold the full gradients at once.
+so stages 2-3 never hold the full gradients at once. Temporaries are reused within a backward and
+released at its end, so they do not sit idle through the optimizer step, the next forward and the
+start of the next backward (stage 3's peak).
+
+With a :class:`~zeroray.engine.heap_trim.HeapTrimmer` (stage 3 on CPU), the C heap's free pages
+go back to the OS after each unit's last reduction is launched and at the end of backward.
 
 ``on_final(group)`` (optional) is called once a group's gradient shard holds its final value for the
 step (its reduction on the accumulation boundary is done): CPU offload on CUDA starts the shard's
@@ -32,6 +37,7 @@ import torch
 from zeroray.engine.comm import InFlight
 from zeroray.engine.flat_group import FlatGroup
 from zeroray.engine.grad_buffer import GradBuffer
+from zeroray.engine.heap_trim import HeapTrimmer
 
 if TYPE_CHECKING:
     from zeroray.engine.unit import Unit
@@ -47,6 +53,7 @@ class GradReducer:
         max_inflight: int,
         units: Sequence[Unit] = (),
         on_final: Callable[[FlatGroup], None] | None = None,
+        trimmer: HeapTrimmer | None = None,
     ):
         self.groups = [g for g in groups if g.trainable]
         self.reduce_every_micro_step = reduce_every_micro_step
@@ -55,14 +62,16 @@ class GradReducer:
         self.boundary = True
         self._unit_of: dict[FlatGroup, Unit] = {g: u for u in units for g in u.groups}
         self._on_final = on_final
+        self._trimmer = trimmer
         self._bufs: dict[FlatGroup, GradBuffer] = {}
         self._remaining: dict[FlatGroup, int] = {}
         self._inflight = InFlight(max_inflight)
-        # Temporaries of sharded gradients, reused across backwards (as DeepSpeed's reduce bucket),
-        # so a step does not pay fresh allocations and page faults for every bucket. A group takes
-        # the smallest pooled tensor that is large enough (a prefix of it), so the root unit borrows
-        # a block's temporary instead of keeping one of its own size.
+        # Temporaries of sharded gradients, reused within a backward (as DeepSpeed's reduce bucket),
+        # so a backward allocates only as many as are in use at once. A group takes the smallest
+        # pooled tensor that is large enough (a prefix of it), so the root unit borrows a block's
+        # temporary instead of allocating one of its own size.
         self._pool: dict[torch.dtype, list[torch.Tensor]] = {}
+        self.temporaries_allocated = 0  # in the last backward
         self._base: dict[GradBuffer, torch.Tensor] = {}  # the pooled tensor under a temporary
         # A sharded group's first small gradients (slot, gradient), up to a quarter of the group,
         # wait for the bulk before a temporary is taken: the root unit's layer-norm gradients come
@@ -84,6 +93,7 @@ class GradReducer:
         self._bufs.clear()
         self._held.clear()
         self._held_numel.clear()
+        self.temporaries_allocated = 0
 
     @property
     def _reduces_now(self) -> bool:
@@ -95,6 +105,7 @@ class GradReducer:
             buf = g.open_grads()
             if buf is None:
                 base = self._take(g.padded, g.reduce_dtype)
+                self.temporaries_allocated += base is None
                 buf = g.new_grad_buffer(None if base is None else base[: g.padded])
                 self._base[buf] = buf.data if base is None else base
             self._bufs[g] = buf
@@ -153,8 +164,8 @@ class GradReducer:
         if self._on_final is not None:
             self._inflight.poll()
         unit = self._unit_of.get(g)
-        if unit is not None:
-            unit.reduced(g)
+        if unit is not None and unit.reduced(g) and self._trimmer is not None:
+            self._trimmer.trim()  # the unit's gradients were copied out and dropped
 
     def finish(self) -> None:
         """End of backward: launch what is left, wait for every reduction."""
@@ -168,10 +179,13 @@ class GradReducer:
             for buf in self._bufs.values():
                 buf.seal()
         self._inflight.wait_all()
+        self._pool.clear()
         self.active = False
+        if self._trimmer is not None:
+            self._trimmer.trim()
 
     def cached_bytes(self) -> int:
-        """Bytes of reusable temporaries held between steps."""
+        """Bytes of reusable temporaries held now (none between backwards)."""
         return sum(t.numel() * t.element_size() for ts in self._pool.values() for t in ts)
 
     def remove(self) -> None:

@@ -10,7 +10,10 @@ Hooks on the user's modules (removed by ``remove()``; nothing is patched):
   and hooks its outputs, so the gradient arriving at them gathers the unit again for its backward
   and prefetches the next one in backward order;
 - the reducer tells each unit when its groups are reduced (see :class:`~zeroray.engine.unit.Unit`);
-  ``after_backward()`` frees everything.
+  ``after_backward()`` frees everything;
+- the root unit is freed early, at a unit's backward, once no tensor saved by the forward views its
+  memory (:class:`~zeroray.engine.saved_views.SavedViews`); a module holding root parameters that
+  runs in backward after that (an activation-checkpointed region recomputing) gathers it again.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from zeroray.engine.flat_group import FlatGroup, ParamState
-from zeroray.engine.unit import Unit
+from zeroray.engine.saved_views import SavedViews
+from zeroray.engine.unit import TrainingState, Unit
 
 
 def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
@@ -60,10 +64,17 @@ class UnitScheduler:
         self._fwd: list[Unit] = []
         self._bwd_order: list[Unit] = []
         self._bwd_pos = 0
+        self._root_views = SavedViews()
         self._hooks: list[RemovableHandle] = [
             model.register_forward_pre_hook(self._root_pre),
+            model.register_forward_hook(self._stop_watching, always_call=True),  # also when it raises
             model.register_forward_hook(self._root_post),
         ]
+        root_params = {p for g in root.groups for p in g.params}
+        unit_modules = {m for u in self.units for m in u.module.modules()}
+        for m in model.modules():
+            if m not in unit_modules and any(p in root_params for p in m.parameters(recurse=False)):
+                self._hooks.append(m.register_forward_pre_hook(self._root_module_pre))
         for unit in self.units:
             self._hooks.append(unit.module.register_forward_pre_hook(partial(self._pre_forward, unit)))
             self._hooks.append(unit.module.register_forward_hook(partial(self._post_forward, unit)))
@@ -92,6 +103,14 @@ class UnitScheduler:
         self._fwd = []
         self._read_ahead([self.root, *self.order])
         self.root.pre_forward()
+        if torch.is_grad_enabled() and self.root.groups:
+            self._root_views.start(self.root.groups)
+
+    def _root_module_pre(self, module: nn.Module, args: Any) -> None:
+        """A module holding root parameters runs after the root was freed early in this backward
+        (a checkpointed region recomputing): gather it again until the backward ends."""
+        if self.root.state is TrainingState.POST_BACKWARD and not self.root.gathered:
+            self.root.gather()
 
     def _pre_forward(self, unit: Unit, module: nn.Module, args: Any) -> None:
         self._fwd.append(unit)
@@ -108,6 +127,9 @@ class UnitScheduler:
                     t.register_hook(partial(self._pre_backward, unit))
                     backward_follows = True
         unit.post_forward(backward_follows)
+
+    def _stop_watching(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._root_views.stop()
 
     def _root_post(self, module: nn.Module, args: Any, output: Any) -> None:
         if self._fwd:
@@ -134,11 +156,14 @@ class UnitScheduler:
         if pos is not None:
             self._prefetch(self._bwd_order, pos + 1)
         unit.pre_backward()
+        if self.root.state is TrainingState.BACKWARD and self._root_views.all_read:
+            self.root.free_unused()
 
     def after_backward(self) -> None:
         for unit in self.units:
             unit.post_backward()
         self.root.post_backward()
+        self._root_views.reset()
 
     def remove(self) -> None:
         for h in self._hooks:

@@ -5,8 +5,9 @@ gathers them all together: right before its forward, again right before its back
 them right after each. It counts the reductions still pending in a backward and frees itself as
 soon as the last one is launched, unless it holds frozen parameters (an op may still need those
 after the last trainable gradient arrived; it is then freed at the end of backward). The root unit
-(parameters in no unit, or in several, such as tied weights) lives from the start of forward to the
-end of backward.
+(parameters in no unit, or in several, such as tied weights) is gathered from the start of forward
+until nothing left in backward reads it: the scheduler frees it early (:meth:`free_unused`) once
+the tensors saved for backward that view it were read, else at the end of backward.
 
 Which unit runs when, and what to prefetch, is the :class:`~zeroray.engine.schedule.UnitScheduler`'s
 business; a unit only knows its own state.
@@ -97,13 +98,24 @@ class Unit:
         self.state = TrainingState.BACKWARD
         self.gather()
 
-    def reduced(self, group: FlatGroup) -> None:
-        """The reducer launched ``group``'s reduction."""
+    def reduced(self, group: FlatGroup) -> bool:
+        """The reducer launched ``group``'s reduction; True if it was the unit's last."""
         self._pending -= 1
-        if self._pending == 0:
-            self.state = TrainingState.POST_BACKWARD
-            if self.free_early:
-                self.free()
+        if self._pending != 0:
+            return False
+        self.state = TrainingState.POST_BACKWARD
+        if self.free_early:
+            self.free()
+        return True
+
+    def free_unused(self) -> None:
+        """Free in the middle of backward, the memory back to the allocator (it is not gathered
+        again before the next forward): nothing left in this backward reads the parameters."""
+        if self._held:
+            return
+        self.state = TrainingState.POST_BACKWARD
+        for g in self.groups:
+            g.free(to_pool=False)
 
     def post_backward(self) -> None:
         self.state = TrainingState.IDLE
