@@ -26,6 +26,7 @@ SYSTEMS: dict[str, tuple[str, int]] = {
     "zeroray-1": ("zeroray", 1),
     "zeroray-2": ("zeroray", 2),
     "zeroray-3": ("zeroray", 3),
+    "zeroray-3-trim": ("zeroray", 3),  # trim_host_heap=True
     "ddp": ("ddp", 0),
     "zero_opt": ("zero_opt", 1),
     "fsdp2-reshard": ("fsdp2", 3),
@@ -35,7 +36,7 @@ SYSTEMS: dict[str, tuple[str, int]] = {
     "deepspeed-3": ("deepspeed", 3),
 }
 GROUPS = {
-    "zeroray": [s for s in SYSTEMS if s.startswith("zeroray")],
+    "zeroray": [f"zeroray-{stage}" for stage in range(4)],
     "fsdp2": ["fsdp2-reshard", "fsdp2-keep"],
     "deepspeed": [s for s in SYSTEMS if s.startswith("deepspeed")],
 }
@@ -109,13 +110,12 @@ class _Engine(System):
 class ZeroRay(_Engine):
     comm_source = "comm_report()"
 
-    def __init__(self, model: nn.Module, stage: int, precision: str) -> None:
+    def __init__(self, model: nn.Module, stage: int, precision: str, trim_host_heap: bool = False) -> None:
         import zeroray
 
         opt = torch.optim.AdamW(model.parameters(), lr=LR)
-        self.engine = zeroray.initialize(
-            model, opt, config=zeroray.ZeroConfig(stage=stage, precision=precision)
-        )
+        config = zeroray.ZeroConfig(stage=stage, precision=precision, trim_host_heap=trim_host_heap)
+        self.engine = zeroray.initialize(model, opt, config=config)
         super().__init__(model, opt)
 
 
@@ -202,7 +202,7 @@ def build(name: str, model: nn.Module, precision: str, micro_batch: int) -> Syst
     """Wrap ``model`` (fresh, fp32, identical on every rank) as system ``name``."""
     family, stage = SYSTEMS[name]
     makers: dict[str, Callable[[], System]] = {
-        "zeroray": lambda: ZeroRay(model, stage, precision),
+        "zeroray": lambda: ZeroRay(model, stage, precision, trim_host_heap=name.endswith("-trim")),
         "ddp": lambda: _ddp(model, stage, precision),
         "zero_opt": lambda: _zero_opt(model, stage, precision),
         "fsdp2": lambda: _fsdp2(model, name == "fsdp2-reshard", precision),
