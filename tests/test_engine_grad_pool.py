@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 import zeroray
+from tests.models import train_gpt
 from zeroray.models.gpt import GPT, GPTConfig
 
 
@@ -24,15 +25,7 @@ def _engine(reduce_bucket_size: int) -> tuple[zeroray.ZeroEngine, GPTConfig]:
 
 
 def _steps(engine: zeroray.ZeroEngine, cfg: GPTConfig, n: int) -> list[float]:
-    g = torch.Generator().manual_seed(1)
-    losses = []
-    for _ in range(n):
-        tokens = torch.randint(cfg.vocab_size, (2, 9), generator=g)
-        _, loss = engine(tokens[:, :-1], tokens[:, 1:])
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return losses
+    return train_gpt(engine, cfg.vocab_size, n)
 
 
 def test_root_borrows_a_block_temporary_and_none_are_kept_between_steps() -> None:

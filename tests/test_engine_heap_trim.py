@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import zeroray
+from tests.models import train_gpt
 from zeroray.config import ConfigError
 from zeroray.engine.heap_trim import HeapTrimmer
 from zeroray.models.gpt import GPT, GPTConfig
@@ -48,15 +49,7 @@ def _run(trim: bool, stage: int = 3, steps: int = 3) -> tuple[zeroray.ZeroEngine
     model = GPT(CFG)
     config = zeroray.ZeroConfig(stage=stage, trim_host_heap=trim)
     engine = zeroray.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config=config)
-    g = torch.Generator().manual_seed(1)
-    losses = []
-    for _ in range(steps):
-        tokens = torch.randint(CFG.vocab_size, (2, 9), generator=g)
-        _, loss = engine(tokens[:, :-1], tokens[:, 1:])
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return engine, losses
+    return engine, train_gpt(engine, CFG.vocab_size, steps)
 
 
 @pytest.mark.skipif(not HeapTrimmer().available, reason="glibc's malloc_trim")
