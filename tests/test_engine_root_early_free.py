@@ -9,7 +9,8 @@ all. Three cases, each against plain PyTorch on a copy of the model:
 - a root input projection applied to inputs that need a gradient saves its weight: the root stays
   gathered until that weight is read at the end of backward;
 - the same projection under non-reentrant activation checkpointing saves nothing we can see, so
-  the root is freed, and the recompute in backward gathers it again.
+  the root is freed, and the recompute in backward gathers it again;
+- saved-tensor hooks the caller set around the forward still see every saved tensor.
 """
 
 from __future__ import annotations
@@ -127,3 +128,41 @@ def test_a_checkpointed_root_module_is_gathered_again_for_its_recompute() -> Non
     assert seen == [False, False, False]  # freed early: the checkpoint's saves are not ours
     for a, b in zip(ours, theirs):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_the_callers_saved_tensor_hooks_still_see_every_saved_tensor() -> None:
+    cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=3, n_head=2, n_embd=32)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    ref = copy.deepcopy(model)
+    engine = _engine(model)
+    seen = _root_gathered_in_first_block_backward(engine, model.transformer.h[0])
+    calls = {"pack": 0, "unpack": 0}
+
+    def pack(t: torch.Tensor) -> tuple[str, torch.Tensor]:
+        calls["pack"] += 1
+        return "mine", t.detach().clone()
+
+    def unpack(packed: tuple[str, torch.Tensor]) -> torch.Tensor:
+        calls["unpack"] += 1
+        assert packed[0] == "mine"
+        return packed[1]
+
+    tokens = torch.randint(cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        _, loss = engine(tokens[:, :-1], tokens[:, 1:])
+    engine.backward(loss)
+    ours = dict(calls)
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        _, ref_loss = ref(tokens[:, :-1], tokens[:, 1:])
+    ref_loss.backward()
+    assert ours["pack"] == ours["unpack"] > 0  # every tensor the engine's forward saved, read back
+    assert calls["pack"] == 2 * ours["pack"]  # as many as plain PyTorch saves
+    assert seen == [False]  # the copies the caller's hook saved do not need the root
+    torch.testing.assert_close(loss, ref_loss)
+    engine.step()
+    torch.optim.AdamW(ref.parameters(), lr=LR).step()
+    state = engine.full_state_dict()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(state[name], p.detach(), rtol=1e-5, atol=1e-6)
+    engine.close()
