@@ -3,7 +3,8 @@
 Stage 3 gathers parameters a *unit* at a time: by default each block of an ``nn.ModuleList``
 (a transformer's layers), else each top-level child, or the modules the user names. A parameter
 that sits in no unit, or in several (tied weights such as embedding = LM head), goes to the root
-unit, which stays gathered from the start of forward to the end of backward.
+unit, which stays gathered from the start of forward until backward no longer reads it (see
+:mod:`zeroray.engine.schedule`).
 
 Stages 0-2 need no gathering; their flat buffers are reduction buckets of about
 ``reduce_bucket_size`` elements, filled in reverse registration order (the order gradients tend
