@@ -17,8 +17,8 @@ so stages 2-3 never hold the full gradients at once. Temporaries are reused with
 released at its end, so they do not sit idle through the optimizer step, the next forward and the
 start of the next backward (stage 3's peak).
 
-With a :class:`~zeroray.engine.heap_trim.HeapTrimmer` (stage 3 on CPU), the C heap's free pages
-go back to the OS after each unit's last reduction is launched and at the end of backward.
+With a :class:`~zeroray.engine.heap_trim.HeapTrimmer` (stage 3, ``trim_host_heap``), the C heap's
+free pages go back to the OS after each unit's last reduction is launched and at the end of backward.
 
 ``on_final(group)`` (optional) is called once a group's gradient shard holds its final value for the
 step (its reduction on the accumulation boundary is done): CPU offload on CUDA starts the shard's

@@ -1,7 +1,7 @@
 """SavedViews: how many tensors saved for backward still view a unit's gathered memory.
 
-The root unit (embeddings, final norm, a tied head) is gathered from the start of forward to the
-end of backward. Most of that time nothing reads it: a transformer's embedding lookup saves only
+The root unit (embeddings, final norm, a tied head) used to stay gathered from the start of forward
+to the end of backward. Most of that time nothing reads it: a transformer's embedding lookup saves only
 the token ids, so once the head's and the final norm's backward ran, the root's parameters are dead
 until the next forward. This class tells when: while the model's forward runs, autograd's
 saved-tensor hooks see every tensor an op saves; those whose storage is the root's gathered memory
@@ -81,14 +81,12 @@ class SavedViews:
     def _pack(self, t: torch.Tensor) -> Any:
         # A pack hook must not hold the tensor itself (a reference cycle): a detached alias, or
         # whatever the caller's hook makes of it.
+        saved = t.detach() if self._outer is None else self._outer[0](t)
         counted = t.layout is torch.strided and t.untyped_storage().data_ptr() in self._ptrs
         if self._outer is None and not counted:
-            return t.detach()
+            return saved
         self.unread += counted
-        if self._outer is None:
-            return _Saved(t.detach(), counted, None)
-        pack, unpack = self._outer
-        return _Saved(pack(t), counted, unpack)
+        return _Saved(saved, counted, None if self._outer is None else self._outer[1])
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         if type(packed) is not _Saved:
