@@ -59,11 +59,12 @@ class Unit:
         for g in self.groups:
             g.wait_gather()
 
-    def free(self) -> None:
+    def free(self, to_pool: bool = True) -> None:
+        """Free every group (not while held); ``to_pool=False``: the memory goes to the allocator."""
         if self._held:
             return
         for g in self.groups:
-            g.free()
+            g.free(to_pool)
 
     def hold(self) -> None:
         """Gather and keep gathered until :meth:`release` (engine.gathered_parameters)."""
@@ -114,8 +115,7 @@ class Unit:
         if self._held:
             return
         self.state = TrainingState.POST_BACKWARD
-        for g in self.groups:
-            g.free(to_pool=False)
+        self.free(to_pool=False)
 
     def post_backward(self) -> None:
         self.state = TrainingState.IDLE
