@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import functools
 import weakref
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,6 +51,7 @@ from zeroray.engine.sharded_optim import (
     refuse_direct_step,
     template_optimizer,
 )
+from zeroray.engine.shared_grads import SharedGradSum
 from zeroray.engine.swap import SwapDir, check_nvme_path
 from zeroray.engine.unit import Unit
 
@@ -297,6 +299,9 @@ class ZeroEngine:
             on_final=home.grad_ready if home.early_grads else None,
             trimmer=self.heap_trimmer,
         )
+        # Tied parameters (reached under several names): their gradients are summed in place.
+        uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+        self.shared_grads = SharedGradSum(p for p in model.parameters() if p.requires_grad and uses[id(p)] > 1)
         self._setup_comm = self.comm.report()
         self.comm.reset()  # the report counts training traffic, not set-up
         for m in model.modules():
@@ -383,7 +388,9 @@ class ZeroEngine:
         scale = self.loss_scaler.scale / self.gradient_accumulation_steps
         self.reducer.begin(self.is_gradient_accumulation_boundary())
         with self._phases.phase("backward"):
-            (loss * scale if scale != 1 else loss).backward()
+            scaled = loss * scale if scale != 1 else loss
+            self.shared_grads.prepare(scaled)
+            scaled.backward()
         with self._phases.phase("comm_wait"):  # the reductions backward could not hide
             self.reducer.finish()
         if self.scheduler is not None:
