@@ -9,9 +9,9 @@ while both parts are still alive: on a 50257-token GPT at stage 0 it was 96 MiB 
 442 MiB malloc peak (docs/architecture.md, "Where the peak is").
 
 Before each backward, :meth:`SharedGradSum.prepare` walks the graph once from the loss and hooks
-every node that hands one of the watched parameters a gradient. A hook hands each such gradient over as a
-plain alias of its memory (``detach()``), so autograd owns the first one alone and adds the
-others into it. The values and the order of the additions are unchanged. Under
+every node that hands one of the watched parameters a gradient. A hook hands each such gradient
+over as a plain alias of its memory (``detach()``), so autograd owns the first one alone and adds
+the others into it. The values and the order of the additions are unchanged. Under
 ``create_graph`` (grad mode on in backward) autograd adds out of place anyway and the hook does
 nothing, so higher-order graphs stay whole. Only parameters the model reaches under more than one
 name are watched: a model without tied weights pays nothing. Uses inside a reentrant checkpoint
