@@ -11,6 +11,16 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    """Skipped tests say why in the default output (as ``-rs``): a skip for a missing tool (prometheus,
+    chromium) names the tool and how to install it, so a quiet ``pytest -q`` does not hide a gap. ``-rN``
+    (report nothing) is left alone."""
+    chars = config.option.reportchars or ""
+    if "N" not in chars and not {"s", "a", "A"} & set(chars):
+        config.option.reportchars = chars + "s"
+
+
 @pytest.fixture(scope="session")
 def ray_cluster() -> Iterator[dict[str, str]]:
     """One real local Ray cluster for the whole session (4 logical CPUs, dashboard on for the state API).

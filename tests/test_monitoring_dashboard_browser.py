@@ -55,7 +55,9 @@ def _loop(config: dict[str, Any]) -> None:
         time.sleep(0.05)
 
 
-def _chromium() -> str:
+@pytest.fixture
+def chromium() -> str:
+    """The binary, or a skip that names it, before the Ray cluster starts (the test requests this first)."""
     for name in ("chromium", "chromium-browser", "google-chrome"):
         if path := shutil.which(name):
             return path
@@ -180,13 +182,13 @@ async def _actors_page(ws_url: str, dashboard: str, names: list[str], auth: str 
         return rows, base64.b64decode(shot["data"])
 
 
-def test_ray_dashboard_lists_the_rank_actors(ray_cluster, tmp_path):
+def test_ray_dashboard_lists_the_rank_actors(chromium, ray_cluster, tmp_path):
     from ray._private.worker import get_dashboard_url
 
     from zeroray.train import ScalingConfig, ZeroTrainer
     from zeroray.train.rank_actor import actor_name
 
-    binary = _chromium()
+    binary = chromium
     release = tmp_path / "release"
     trainer = ZeroTrainer(
         _loop,

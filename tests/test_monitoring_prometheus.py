@@ -139,10 +139,17 @@ def wait_for(cond, what, timeout_s: float = DEADLINE_S) -> Any:
 
 
 @pytest.fixture
-def prometheus(ray_cluster, tmp_path):
+def prometheus_binary() -> str:
+    """The binary, or a skip that names it, before the Ray cluster starts (the fixture below asks for it first)."""
     binary = shutil.which("prometheus")
     if binary is None:
         pytest.skip("no prometheus binary: `apt-get install -y prometheus` (.ci/run installs it when apt exists)")
+    return binary
+
+
+@pytest.fixture
+def prometheus(prometheus_binary, ray_cluster, tmp_path):
+    binary = prometheus_binary
     import ray
 
     session = Path(ray._private.worker.global_worker.node.get_session_dir_path())
