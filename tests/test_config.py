@@ -358,6 +358,7 @@ def test_unknown_keys_are_errors_naming_the_dotted_key(raw, key, suggestion):
         ({"zero_optimization": {"cpu_offload": "yes"}}, "zero_optimization.cpu_offload"),
         ({"zero_optimization": {"offload_param": {"pin_memory": "yes"}}}, "zero_optimization.offload_param.pin_memory"),
         ({"data_types": {"grad_accum_dtype": "int8"}}, "data_types.grad_accum_dtype"),
+        ({"data_types": {"buffer_dtype": "int8"}}, "data_types.buffer_dtype"),
     ],
 )
 def test_bad_values_name_the_key(raw, key):
@@ -393,6 +394,19 @@ def test_deprecated_offload_spellings_map_onto_the_offload_fields():
         match=r"keys 'zero_optimization\.offload_optimizer\.device' and 'zero_optimization\.cpu_offload' both set",
     ):
         parse_deepspeed({"zero_optimization": {"offload_optimizer": {"device": "none"}, "cpu_offload": True}})
+
+
+# ------------------------------------------------------------------------------ buffer dtype
+def test_buffers_keep_their_dtype_unless_data_types_buffer_dtype_says():
+    """DeepSpeed's default keeps buffers as built (a bf16 run's fp32 rotary inv_freq stays fp32);
+    data_types.buffer_dtype opts into casting them."""
+    assert parse_deepspeed({"bf16": {"enabled": True}}).precision.buffer_dtype is None
+    for spelling, dtype in (("bf16", "bf16"), ("bfloat16", "bf16"), ("float32", "fp32"), ("torch.float16", "fp16")):
+        cfg = parse_deepspeed({"bf16": {"enabled": True}, "data_types": {"buffer_dtype": spelling}})
+        assert cfg.precision.param_dtype == "bf16" and cfg.precision.buffer_dtype == dtype
+    assert cfg.precision.name == "param=bf16,reduce=bf16,master=fp32,buffer=fp16"
+    assert parse_deepspeed({"bf16": {"enabled": True}}).precision.name == "bf16"
+    assert ZeroConfig(precision={"param_dtype": "bf16", "buffer_dtype": "bf16"}).precision.buffer_dtype == "bf16"
 
 
 # ------------------------------------------------------------------------------ optimizer / scheduler specs

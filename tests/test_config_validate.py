@@ -38,6 +38,7 @@ from zeroray.config import ConfigError, PrecisionPolicy, ZeroConfig
         ({"scheduler": {"type": "WarmupDecayLR", "params": {}}}, "scheduler.params.total_num_steps"),
         ({"precision": {"param_dtype": "bf16", "reduce_dtype": "int8"}}, "precision.reduce_dtype"),
         ({"precision": "fp64"}, "precision"),
+        ({"precision": {"buffer_dtype": "fp64"}}, "precision.buffer_dtype"),
     ],
 )
 def test_bad_fields_raise_a_config_error_naming_the_field(kwargs, field):

@@ -66,18 +66,20 @@ class PrecisionPolicy:
 
     ``param_dtype``: parameters and gradients in forward/backward; ``reduce_dtype``: gradients while
     they are reduced and accumulated (None = ``param_dtype``); ``master_dtype``: the copy the optimizer
-    updates. fp16 parameters turn on dynamic loss scaling. ``"bf16"`` is short for
-    ``PrecisionPolicy(param_dtype="bf16")``.
+    updates; ``buffer_dtype``: the floating-point buffers (None = each keeps the dtype it was built
+    with, as DeepSpeed and FSDP2 do: a rotary ``inv_freq`` stays fp32 under bf16 parameters). fp16
+    parameters turn on dynamic loss scaling. ``"bf16"`` is short for ``PrecisionPolicy(param_dtype="bf16")``.
     """
 
     param_dtype: Precision = "fp32"
     reduce_dtype: Precision | None = None
     master_dtype: Precision = "fp32"
+    buffer_dtype: Precision | None = None
 
     def __post_init__(self) -> None:
-        for name in ("param_dtype", "reduce_dtype", "master_dtype"):
+        for name in ("param_dtype", "reduce_dtype", "master_dtype", "buffer_dtype"):
             v = getattr(self, name)
-            if v is None and name == "reduce_dtype":
+            if v is None and name in ("reduce_dtype", "buffer_dtype"):
                 continue
             if v not in _PRECISIONS:
                 raise ConfigError(f"precision.{name}", f"must be 'fp32', 'bf16' or 'fp16', got {v!r}")
@@ -103,10 +105,12 @@ class PrecisionPolicy:
 
     @property
     def name(self) -> str:
-        """``"bf16"`` for the plain policies, else every dtype spelled out."""
-        if self.reduce_dtype in (None, self.param_dtype) and self.master_dtype == "fp32":
+        """``"bf16"`` for the plain policies, else every dtype spelled out (the buffers' only when cast)."""
+        if self.reduce_dtype in (None, self.param_dtype) and self.master_dtype == "fp32" and self.buffer_dtype is None:
             return self.param_dtype
-        return f"param={self.param_dtype},reduce={self.reduce_dtype or self.param_dtype},master={self.master_dtype}"
+        buffers = f",buffer={self.buffer_dtype}" if self.buffer_dtype is not None else ""
+        return (f"param={self.param_dtype},reduce={self.reduce_dtype or self.param_dtype},"
+                f"master={self.master_dtype}{buffers}")
 
 
 @dataclass(frozen=True)

@@ -178,6 +178,9 @@ TABLE: dict[str, Entry] = {
     "data_types.grad_accum_dtype": Field(
         "precision.reduce_dtype", _dtype, note="gradients reduced and accumulated in this dtype"
     ),
+    "data_types.buffer_dtype": Field(
+        "precision.buffer_dtype", _dtype, note="floating-point buffers cast to this dtype (default: kept as built)"
+    ),
     "communication_data_type": Field("precision.reduce_dtype", _dtype, note="the same as data_types.grad_accum_dtype"),
     # ---- named optimizer and schedule
     "optimizer.type": Field("optimizer.type"),
