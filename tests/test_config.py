@@ -4,7 +4,9 @@ schedules. HF "auto" resolution: test_config_hf_auto.py; the validator itself: t
 from __future__ import annotations
 
 import json
+import logging
 import math
+import re
 import warnings
 
 import pytest
@@ -66,8 +68,8 @@ def parse_quietly(config):
 
 
 # ------------------------------------------------------------------------------ full example
-def test_zero3_example_parses_to_the_right_fields():
-    with pytest.warns(UserWarning) as record:
+def test_zero3_example_parses_to_the_right_fields(caplog):
+    with caplog.at_level(logging.WARNING, logger="zeroray"):
         cfg = parse_deepspeed(ZERO3_EXAMPLE)
     assert cfg.stage == 3
     assert cfg.precision.param_dtype == "bf16" and cfg.precision.name == "bf16"
@@ -90,7 +92,7 @@ def test_zero3_example_parses_to_the_right_fields():
     assert cfg.scheduler == {"type": "WarmupDecayLR", "params": ZERO3_EXAMPLE["scheduler"]["params"]}
     assert cfg.resolve_batch(8).gradient_accumulation_steps == 2
     assert cfg.sub_group_size == 1_000_000_000
-    warned = " ".join(str(w.message) for w in record)
+    warned = " ".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
     for key in (
         "'steps_per_print'",
         "'wall_clock_breakdown'",
@@ -205,9 +207,19 @@ def test_bad_fp16_values_name_the_key(fp16, key):
 
 
 @pytest.mark.parametrize("block", ["fp16", "bf16", "bfloat16"])
-def test_auto_enabled_is_an_error(block):
-    with pytest.raises(ValueError, match=rf"'{block}\.enabled' is 'auto', which zeroray cannot resolve: .*true or false"):
-        parse_deepspeed({block: {"enabled": "auto"}})
+def test_auto_enabled_is_off_as_hf_trainer_without_its_flag(block, caplog):
+    with caplog.at_level(logging.INFO, logger="zeroray"):
+        assert parse_deepspeed({block: {"enabled": "auto"}}).precision.param_dtype == "fp32"
+    flag = "fp16" if block == "fp16" else "bf16"
+    assert [r.getMessage() for r in caplog.records] == [
+        f"resolved '{block}.enabled': auto -> false (HF's Trainer without --{flag})"
+    ]
+
+
+@pytest.mark.parametrize("on", ["fp16", "bf16"])
+def test_an_auto_switch_off_leaves_the_other_switch_on(on):
+    off = "bf16" if on == "fp16" else "fp16"
+    assert parse_deepspeed({on: {"enabled": True}, off: {"enabled": "auto"}}).precision.param_dtype == on
 
 
 # ------------------------------------------------------------------------------ warnings
@@ -247,13 +259,15 @@ def test_auto_enabled_is_an_error(block):
          "zero_optimization.stage3_param_persistence_threshold"),
     ],
 )
-def test_ignored_keys_warn_with_their_dotted_name(raw, key):
-    with pytest.warns(UserWarning, match=rf"zeroray ignores DeepSpeed config key '{key}': \w"):
+def test_ignored_keys_are_logged_with_their_dotted_name(raw, key, caplog):
+    with caplog.at_level(logging.WARNING, logger="zeroray"):
         parse_deepspeed(raw)
+    assert any(re.fullmatch(rf"zeroray ignores DeepSpeed config key '{key}': \w.*", r.getMessage())
+               for r in caplog.records)
 
 
-def test_keys_set_to_their_off_default_are_accepted_silently():
-    with warnings.catch_warnings():
+def test_keys_set_to_their_off_default_are_accepted_silently(caplog):
+    with warnings.catch_warnings(), caplog.at_level(logging.WARNING, logger="zeroray"):
         warnings.simplefilter("error")
         cfg = parse_deepspeed(
             {
@@ -268,7 +282,7 @@ def test_keys_set_to_their_off_default_are_accepted_silently():
                 },
             }
         )
-    assert cfg.stage == 2
+    assert cfg.stage == 2 and not caplog.records
 
 
 # ------------------------------------------------------------------------------ errors
@@ -653,6 +667,14 @@ def test_warmup_lr_log_matches_deepspeed():
     assert seen[:2] == [0.01, 0.01] and seen[11:] == pytest.approx([0.1] * 3)
 
 
+def test_warmup_lr_with_zero_steps_is_deepspeeds():
+    """HF's Trainer fills "auto" warm-up steps with 0 by default; DeepSpeed takes it (as 2 steps, log)."""
+    opt = _opt()
+    sched = build_scheduler({"type": "WarmupLR", "params": {"warmup_max_lr": 0.1, "warmup_num_steps": 0}}, opt)
+    seen = _lrs_seen_by_optimizer_steps(opt, sched, 4)
+    assert seen == pytest.approx([_ds_warmup(k - 1, 0.0, 0.1, 0, "log") for k in range(4)]) == [0.0, 0.0, 0.1, 0.1]
+
+
 def test_warmup_lr_linear_and_default_max_is_the_optimizer_lr():
     opt = _opt(lr=0.2)
     sched = build_scheduler(
@@ -751,7 +773,7 @@ def test_build_scheduler_none_and_errors():
         build_scheduler({"type": "WarmupLR", "params": {"warmup_steps": 10}}, opt)
     with pytest.raises(ValueError, match=r"warmup_type must be 'log' or 'linear', got 'cosine'"):
         build_scheduler({"type": "WarmupLR", "params": {"warmup_type": "cosine"}}, opt)
-    with pytest.raises(ValueError, match=r"warmup_num_steps must be a positive integer"):
-        build_scheduler({"type": "WarmupLR", "params": {"warmup_num_steps": 0}}, opt)
+    with pytest.raises(ValueError, match=r"warmup_num_steps must be an integer >= 0, got -1"):
+        build_scheduler({"type": "WarmupLR", "params": {"warmup_num_steps": -1}}, opt)
     with pytest.raises(ValueError, match=r"warmup_min_lr has 2 values for 1 param groups"):
         build_scheduler({"type": "WarmupLR", "params": {"warmup_min_lr": [0.0, 0.0]}}, opt)

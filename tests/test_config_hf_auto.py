@@ -1,4 +1,5 @@
-"""Hugging Face-style DeepSpeed configs: "auto" resolved from the model and optimizer, the rest in ONE error.
+"""Hugging Face-style DeepSpeed configs: "auto" resolved from the model and optimizer, or as HF's Trainer
+does with none of its flags given; what has no meaning here in ONE error.
 
 The configs are transformers' own test configs (tests/data/hf_deepspeed/, Apache-2.0). load_config is
 called the way zeroray.initialize calls it: load_config(config, model=model, optimizer=optimizer).
@@ -48,9 +49,7 @@ def _adamw(model: nn.Module) -> torch.optim.Optimizer:
 
 
 def _load(config, **kw) -> ZeroConfig:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # the ignored keys' warnings: tested in test_config.py
-        return load_config(config, **kw)
+    return load_config(config, **kw)
 
 
 def _error(config, **kw) -> DeepSpeedConfigError:
@@ -60,38 +59,67 @@ def _error(config, **kw) -> DeepSpeedConfigError:
 
 
 def _edited(path: Path) -> dict:
-    """The HF config after the one round of edits the single error asks for."""
+    """The HF config with numbers where it says "auto" for the fp16 switch and the warm-up."""
     raw = json.loads(path.read_text())
     raw["fp16"]["enabled"] = False
     raw["scheduler"]["params"]["warmup_num_steps"] = 100
-    for block in ("offload_optimizer", "offload_param"):
-        if block in raw["zero_optimization"]:
-            raw["zero_optimization"][block]["device"] = "none"
     return raw
 
 
+def _zero3_docs() -> dict:
+    """HF's ZeRO-3 test config with the ``"bf16": {"enabled": "auto"}`` block HF's DeepSpeed docs add to it."""
+    return {**json.loads(ZERO3.read_text()), "bf16": {"enabled": "auto"}}
+
+
+def _logged(caplog: pytest.LogCaptureFixture, level: int) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "zeroray" and r.levelno == level]
+
+
 # ------------------------------------------------------------------------------ the real HF configs
-@pytest.mark.parametrize(
-    "path, offload",
-    [
-        (ZERO2, []),  # HF's offload to cpu is accepted: optimizer at stage 2, parameters too at stage 3
-        (ZERO3, []),
-    ],
-)
-def test_hf_config_reports_everything_left_in_one_error(path, offload, caplog):
+@pytest.mark.parametrize("config", [ZERO2, ZERO3, _zero3_docs()], ids=["zero2", "zero3", "zero3+bf16"])
+def test_stock_hf_config_loads_as_hf_trainer_without_flags(config, caplog):
+    """fp16/bf16 "auto": off (fp32), warm-up steps "auto": 0, as HF's Trainer with no --fp16, --bf16,
+    --warmup_steps or --warmup_ratio; one INFO line per resolution, one WARNING line per ignored key,
+    and no UserWarning (each would echo a line of source)."""
+    model = _model(768)
+    with warnings.catch_warnings(), caplog.at_level(logging.INFO, logger="zeroray"):
+        warnings.simplefilter("error")
+        cfg = load_config(config, model=model, optimizer=_adamw(model))
+    assert cfg.precision.param_dtype == "fp32" and cfg.offload_optimizer.device == "cpu"
+    assert cfg.scheduler == {
+        "type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 3e-4, "warmup_num_steps": 0}
+    }
+    resolved = _logged(caplog, logging.INFO)
+    assert "resolved 'fp16.enabled': auto -> false (HF's Trainer without --fp16)" in resolved
+    assert ("resolved 'scheduler.params.warmup_num_steps': auto -> 0 "
+            "(HF's Trainer without --warmup_steps or --warmup_ratio)") in resolved
+    assert len(resolved) == len(set(resolved)) and all(line.startswith("resolved '") for line in resolved)
+    ignored = _logged(caplog, logging.WARNING)
+    assert all(line.startswith("zeroray ignores DeepSpeed config key '") for line in ignored)
+    if not isinstance(config, Path):  # HF's docs' ZeRO-3: 15 "auto"s, 7 ignored keys
+        assert "resolved 'bf16.enabled': auto -> false (HF's Trainer without --bf16)" in resolved
+        assert len(resolved) == 15 and len(ignored) == 7
+    opt = build_optimizer(cfg.optimizer, model.parameters())
+    sched = build_scheduler(cfg.scheduler, opt)
+    assert isinstance(sched, WarmupLR)
+
+
+def test_hf_config_reports_what_has_no_meaning_here_in_one_error(caplog):
+    raw = json.loads(ZERO3.read_text())
+    raw["scheduler"] = {"type": "WarmupDecayLR", "params": {**raw["scheduler"]["params"], "total_num_steps": "auto"}}
+    raw["zero_optimization"]["allgather_bucket_size"] = "auto"
     model = _model()
     with caplog.at_level(logging.INFO, logger="zeroray"):
-        err = _error(path, model=model, optimizer=_adamw(model))
-    assert err.keys == ["fp16.enabled", "scheduler.params.warmup_num_steps", *offload]
+        err = _error(raw, model=model, optimizer=_adamw(model))
+    assert err.keys == ["scheduler.params.total_num_steps", "zero_optimization.allgather_bucket_size"]
     text = str(err)
-    assert text.startswith(f"{len(err.keys)} problems in the DeepSpeed config (all of them):\n  - ")
-    assert "DeepSpeed config key 'fp16.enabled' is 'auto', which zeroray cannot resolve: " in text
-    assert "'scheduler.params.warmup_num_steps' is 'auto', which zeroray cannot resolve: HF's Trainer computes it" in text
+    assert text.startswith("2 problems in the DeepSpeed config (all of them):\n  - ")
+    assert "'scheduler.params.total_num_steps' is 'auto', which zeroray cannot resolve: HF's Trainer computes it" in text
     assert "ZeroConfig." not in text
-    assert not caplog.records  # nothing is logged as resolved when the config is refused
+    assert not caplog.records  # nothing is logged, resolved or ignored, when the config is refused
 
 
-def test_hf_zero3_config_loads_after_one_round_of_edits(caplog):
+def test_hf_zero3_config_with_numbers_for_the_flags(caplog):
     model = _model(768)
     optimizer = _adamw(model)
     with caplog.at_level(logging.INFO, logger="zeroray"):
@@ -111,7 +139,7 @@ def test_hf_zero3_config_loads_after_one_round_of_edits(caplog):
         "type": "WarmupLR",
         "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 3e-4, "warmup_num_steps": 100},
     }
-    messages = [r.getMessage() for r in caplog.records if r.name == "zeroray" and r.levelno == logging.INFO]
+    messages = _logged(caplog, logging.INFO)
     assert "resolved 'zero_optimization.reduce_bucket_size': auto -> 589824 (hidden_size 768 squared, as HF)" in messages
     assert (
         "resolved 'zero_optimization.stage3_prefetch_bucket_size': auto -> 530841 (0.9 x hidden_size 768 squared, as HF)"
@@ -126,7 +154,7 @@ def test_hf_zero3_config_loads_after_one_round_of_edits(caplog):
     assert isinstance(build_scheduler(cfg.scheduler, opt), WarmupLR)
 
 
-def test_hf_zero2_config_loads_after_one_round_of_edits():
+def test_hf_zero2_config_with_numbers_for_the_flags():
     model = _model(1024)
     cfg = _load(_edited(ZERO2), model=model, optimizer=_adamw(model))
     assert cfg.stage == 2 and cfg.comm.reduce_scatter is True and cfg.comm.overlap_comm is True
@@ -168,11 +196,8 @@ def test_defer_leaves_model_and_optimizer_autos_for_later():
     assert cfg.comm.reduce_bucket_size == ZeroConfig().comm.reduce_bucket_size
     assert "lr" not in cfg.optimizer["params"]
     # What no model or optimizer can resolve is still an error at that point.
-    err = _error(ZERO3, defer=True)
-    assert err.keys == [
-        "fp16.enabled",
-        "scheduler.params.warmup_num_steps",
-    ]
+    err = _error({**_edited(ZERO3), "zero_optimization": {"stage": "auto"}}, defer=True)
+    assert err.keys == ["zero_optimization.stage"]
 
 
 # ------------------------------------------------------------------------------ single keys

@@ -30,4 +30,4 @@ def test_every_table_key_is_in_the_readme_and_no_other():
     # Backticked names that are not keys are ZeroConfig fields, aliases and values only.
     fields = {p for e in TABLE.values() for p in getattr(e, "paths", ())}
     assert named - keys - fields <= {"bfloat16", "bf16", "enabled", "zeroray", "lr", "betas", "eps", "weight_decay",
-                                      "warmup_min_lr", "warmup_max_lr", "null"}
+                                      "warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "null"}

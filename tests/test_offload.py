@@ -322,7 +322,7 @@ def test_config_refuses_what_cannot_work(kw, field, message):
     assert info.value.field == field
 
 
-def test_deepspeed_offload_keys_map_onto_the_config(tmp_path):
+def test_deepspeed_offload_keys_map_onto_the_config(tmp_path, caplog):
     from zeroray.config_loader import load_config as read_deepspeed
     from zeroray.deepspeed_config import DeepSpeedConfigError
 
@@ -341,8 +341,8 @@ def test_deepspeed_offload_keys_map_onto_the_config(tmp_path):
     assert (cfg.offload_io.block_size, cfg.offload_io.queue_depth) == (1 << 20, 16)
     with pytest.raises(DeepSpeedConfigError, match="'aio.use_gds'.*GPUDirect Storage is not implemented"):
         read_deepspeed({"aio": {"use_gds": True}})
-    with pytest.warns(UserWarning, match="'zero_optimization.offload_optimizer.fast_init'"):
-        read_deepspeed({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu", "fast_init": True}}})
+    read_deepspeed({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu", "fast_init": True}}})
+    assert "'zero_optimization.offload_optimizer.fast_init'" in caplog.text  # ignored, one log line
 
 
 _RSS = """

@@ -3,7 +3,9 @@
 A ZeroConfig is used as it is. A DeepSpeed dict or JSON file is read through the key table
 (:mod:`zeroray.deepspeed_config`), its ``"auto"`` values resolved from the model and the optimizer
 (:mod:`zeroray.hf_auto`), and judged by ``ZeroConfig.validate``; every problem, each naming the JSON
-key the user wrote, comes back in one :class:`~zeroray.deepspeed_config.DeepSpeedConfigError`.
+key the user wrote, comes back in one :class:`~zeroray.deepspeed_config.DeepSpeedConfigError`. A good
+config's ignored keys (WARNING) and resolved "auto"s (INFO) are logged on the ``"zeroray"`` logger,
+one line each.
 """
 
 from __future__ import annotations
@@ -55,5 +57,6 @@ def load_config(config: ConfigArg, *, model: Any = None, optimizer: Any = None, 
                 problems.append((key, f"DeepSpeed config key '{key}': {message}"))
     if problems or result is None:
         raise DeepSpeedConfigError(problems)
+    reading.log_ignored()
     log_resolutions(log)
     return result

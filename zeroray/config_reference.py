@@ -56,7 +56,7 @@ def reference_markdown() -> str:
         "|---|---|---|---|",
         *used,
         "",
-        "Ignored, with a `UserWarning` naming the key and why:",
+        "Ignored, with a warning on the `zeroray` logger naming the key and why:",
         "",
         "| keys | why ignoring them is safe |",
         "|---|---|",

@@ -6,7 +6,7 @@ Every key a user may write is in :data:`TABLE` as one of
   and placed at a :class:`~zeroray.config.ZeroConfig` path; ``"auto"`` is left to
   :mod:`zeroray.hf_auto`. Values are judged only by ``ZeroConfig.validate``; its errors are mapped
   back to the key (:meth:`Reading.key_for`).
-- :class:`Ignored`: ignored with a ``UserWarning`` naming the key and why that is safe.
+- :class:`Ignored`: ignored, with a WARNING line on the ``"zeroray"`` logger naming the key and why that is safe.
 - :class:`Refused`: refused with an error naming the key, unless the value is one of ``unless``
   (DeepSpeed's "off" default), which is accepted silently.
 - :class:`Feature`: a block with an ``enabled`` switch: refused when enabled, ignored with a warning
@@ -21,9 +21,8 @@ from __future__ import annotations
 
 import difflib
 import json
+import logging
 import os
-import sys
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +30,8 @@ from typing import Any
 from zeroray.hf_auto import NOT_GIVEN
 
 __all__ = ["AUTO", "TABLE", "DeepSpeedConfigError", "Feature", "Field", "Ignored", "Reading", "Refused", "read_deepspeed"]
+
+logger = logging.getLogger("zeroray")
 
 AUTO = "auto"
 SKIP: Any = object()  # a converter's answer for "this value sets nothing" (e.g. "enabled": false)
@@ -315,14 +316,6 @@ class DeepSpeedConfigError(ValueError):
         )
 
 
-def _warn(key: str, why: str) -> None:
-    # Point the warning at the user's code: the first frame outside zeroray.
-    level, frame = 2, sys._getframe(1)
-    while frame is not None and str(frame.f_globals.get("__name__", "")).startswith("zeroray."):
-        level, frame = level + 1, frame.f_back
-    warnings.warn(f"zeroray ignores DeepSpeed config key '{key}': {why}", UserWarning, stacklevel=level)
-
-
 # ------------------------------------------------------------------------------------ reading
 @dataclass
 class Reading:
@@ -331,6 +324,7 @@ class Reading:
     values: dict[str, tuple[str, Any]] = field(default_factory=dict)  # ZeroConfig path -> (key, value)
     autos: dict[str, str] = field(default_factory=dict)  # key whose value is "auto" -> ZeroConfig path
     problems: list[tuple[str, str]] = field(default_factory=list)  # (key, line)
+    ignored: list[tuple[str, str]] = field(default_factory=list)  # (key, why ignoring it is safe)
 
     def problem(self, key: str, message: str) -> None:
         self.problems.append((key, f"DeepSpeed config key '{key}'{message}"))
@@ -362,6 +356,12 @@ class Reading:
         if value is not SKIP:
             for path in entry.paths:
                 self.set(path, key, value)
+
+    def log_ignored(self) -> None:
+        """One WARNING line per ignored key on the "zeroray" logger, once the whole config is known good
+        (a UserWarning would echo a line of the caller's source under each; a stock HF config has seven)."""
+        for key, why in self.ignored:
+            logger.warning("zeroray ignores DeepSpeed config key '%s': %s", key, why)
 
     def key_for(self, path: str) -> str:
         """The key the user wrote (or would write) for a ZeroConfig field path, for error messages."""
@@ -410,13 +410,13 @@ def _walk(block: dict[str, Any], prefix: str, shown: str, reading: Reading) -> N
         elif isinstance(entry, Field):
             reading.use(entry, key, value)
         elif isinstance(entry, Ignored):
-            _warn(key, entry.why)
+            reading.ignored.append((key, entry.why))
         elif isinstance(entry, Refused):
             if not entry.harmless(value):
                 reading.problem(key, f" = {value!r} is not supported by zeroray: {entry.why}")
         elif isinstance(entry, Feature):
             if isinstance(value, dict) and value.get("enabled", False) is False:
-                _warn(key, "the block is disabled")
+                reading.ignored.append((key, "the block is disabled"))
             else:
                 reading.problem(key, f" is not supported by zeroray: {entry.why}")
         else:
@@ -444,9 +444,10 @@ def _load(config: dict[str, Any] | str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def read_deepspeed(config: dict[str, Any] | str | os.PathLike[str]) -> Reading:
-    """Walk a DeepSpeed config (a dict or a JSON file) through :data:`TABLE`; warn about ignored keys.
+    """Walk a DeepSpeed config (a dict or a JSON file) through :data:`TABLE`.
 
-    Problems are collected, not raised, so that one error can list them all.
+    Problems are collected, not raised, so that one error can list them all; the ignored keys too, for
+    :meth:`Reading.log_ignored`.
     """
     reading = Reading()
     _walk(_load(config), "", "", reading)

@@ -3,8 +3,10 @@
 HF's Trainer fills ``"auto"`` from its TrainingArguments and the model
 (``transformers/integrations/deepspeed.py``). Here the model and the optimizer passed to
 ``zeroray.initialize`` play that part, for every key whose meaning is unambiguous without the
-Trainer (:data:`RULES`); each resolution is logged at INFO on the ``"zeroray"`` logger. Every other
-``"auto"`` (the fp16/bf16 switches, the schedule's step counts) is reported, all in one error.
+Trainer (:data:`RULES`), and for the switches and counts HF's Trainer takes from its flags, as the
+Trainer does when no flag is given (fp16/bf16 off, no warm-up steps). Each resolution is logged at INFO
+on the ``"zeroray"`` logger. Every other ``"auto"`` (``total_num_steps``, which the Trainer computes
+from the length of the run) is reported, all in one error.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ __all__ = ["NOT_GIVEN", "RULES", "log_resolutions", "resolve_autos"]
 logger = logging.getLogger("zeroray")
 
 NOT_GIVEN: Any = object()  # "auto" means the key was not written (the batch sizes)
+OFF: Any = object()  # "auto" means false for an on-switch: it sets nothing (another key may set the same field)
 
 
 class _Missing(Exception):
@@ -105,6 +108,14 @@ RULES: dict[str, Rule] = {
         for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
     },
     "gradient_clipping": Rule("1.0, HF's default max_grad_norm", lambda src: (1.0, "HF's default max_grad_norm")),
+    # HF's Trainer sets these from its --fp16 / --bf16 flags, both off by default: fp32.
+    "fp16.enabled": Rule("false (fp32), as HF's Trainer without --fp16", lambda src: (OFF, "HF's Trainer without --fp16")),
+    "bf16.enabled": Rule("false (fp32), as HF's Trainer without --bf16", lambda src: (OFF, "HF's Trainer without --bf16")),
+    # HF's Trainer: --warmup_steps, else ceil(--warmup_ratio x steps); both 0 by default.
+    "scheduler.params.warmup_num_steps": Rule(
+        "0, as HF's Trainer without --warmup_steps or --warmup_ratio",
+        lambda src: (0, "HF's Trainer without --warmup_steps or --warmup_ratio"),
+    ),
     "zero_optimization.reduce_bucket_size": Rule("hidden_size², as HF", _bucket(1.0, "")),
     "zero_optimization.stage3_prefetch_bucket_size": Rule("0.9 × hidden_size², as HF", _bucket(0.9, "0.9 x ")),
     **{
@@ -119,9 +130,6 @@ RULES: dict[str, Rule] = {
 
 # Why the other "auto"s have no meaning here (the default: no meaning without HF's Trainer).
 _WHY_NOT = {
-    "fp16.enabled": "HF's Trainer takes it from its --fp16 flag; set true or false",
-    "bf16.enabled": "HF's Trainer takes it from its --bf16 flag; set true or false",
-    "scheduler.params.warmup_num_steps": "HF's Trainer computes it from the number of training steps; give a number",
     "scheduler.params.total_num_steps": "HF's Trainer computes it from the number of training steps; give a number",
 }
 
@@ -132,7 +140,8 @@ def resolve_autos(
     """Resolve ``{key: ZeroConfig path}`` of "auto" values.
 
     Returns ``{path: value}`` (``NOT_GIVEN`` where "auto" means "not written", and for every "auto"
-    left unresolved, so that no "auto" reaches ZeroConfig), the ``(key, line)`` problems and the
+    left unresolved, so that no "auto" reaches ZeroConfig; no entry for a switch resolved off, so that
+    ``"fp16": "auto"`` leaves ``"bf16": true`` standing), the ``(key, line)`` problems and the
     log lines (see :func:`log_resolutions`). With
     ``defer``, an "auto" that needs a model or optimizer that was not passed is no problem: it is left
     at ZeroConfig's default, for an early check before the model exists.
@@ -156,8 +165,12 @@ def resolve_autos(
         except _Unresolvable as e:
             problems.append((key, f"DeepSpeed config key '{key}' is 'auto', which zeroray cannot resolve: {e}"))
             continue
-        log.append(f"resolved '{key}': auto -> {'not given' if value is NOT_GIVEN else value} ({how})")
-        resolved[path] = value
+        shown = "not given" if value is NOT_GIVEN else "false" if value is OFF else value
+        log.append(f"resolved '{key}': auto -> {shown} ({how})")
+        if value is OFF:
+            del resolved[path]
+        else:
+            resolved[path] = value
     return resolved, problems, log
 
 

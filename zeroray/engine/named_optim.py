@@ -103,10 +103,10 @@ class WarmupLR(LRScheduler):
         if (
             not isinstance(warmup_num_steps, int)
             or isinstance(warmup_num_steps, bool)
-            or warmup_num_steps <= 0
+            or warmup_num_steps < 0
         ):
             raise ValueError(
-                f"scheduler.params.warmup_num_steps must be a positive integer, got {warmup_num_steps!r}"
+                f"scheduler.params.warmup_num_steps must be an integer >= 0, got {warmup_num_steps!r}"
             )
         if warmup_type not in _WARMUP_TYPES:
             raise ValueError(f"scheduler.params.warmup_type must be 'log' or 'linear', got {warmup_type!r}")
