@@ -8,7 +8,9 @@ compute precision. Mixed precision (bf16/fp16): p = g = 2 and K = 12 (fp32 maste
 Adam moments; the master weights are counted under ``optimizer``). Plain fp32: p = g = 4 and K = 8
 (the parameters are their own master copy). A shard is ``shard_numel(Ψ, N)`` elements (Ψ/N rounded
 up, from :mod:`zeroray.engine.layout`), the same arithmetic the engine uses, so the estimate and
-``engine.memory_report()`` agree (within the padding of each flat group, a few elements).
+``engine.memory_report()`` agree (within the padding of each flat group, a few elements). The swap
+files' page alignment and the parameter buffer pool come from there too; none of it imports torch,
+so ``zeroray estimate`` starts in a fraction of a second.
 
 Offload (``offload_optimizer``, stages 1-3; the engine refuses it at stage 0) takes the optimizer's
 masters and states off the device, which keeps its parameters and gradients; it is counted as
@@ -42,9 +44,7 @@ import math
 from typing import Literal
 
 from zeroray.config import OffloadConfig, ZeroConfig
-from zeroray.engine.layout import shard_numel
-from zeroray.engine.param_swap import pool_size
-from zeroray.engine.swap import aligned
+from zeroray.engine.layout import param_pool_size, shard_numel, swap_aligned
 
 Precision = Literal["fp32", "bf16", "fp16"]
 Offload = Literal["none", "cpu", "nvme"]
@@ -76,8 +76,8 @@ def swap_bytes(numel: int, segments: int, sub_group_size: int, buffer_count: int
     sub-groups of at most ``sub_group_size``: the buffer pool and the swap files."""
     full, rest = divmod(numel, sub_group_size)
     subs = full + (rest > 0)
-    files = segments * (full * aligned(sub_group_size * _F32) + (aligned(rest * _F32) if rest else 0))
-    largest = aligned(min(numel, sub_group_size) * _F32)
+    files = segments * (full * swap_aligned(sub_group_size * _F32) + (swap_aligned(rest * _F32) if rest else 0))
+    largest = swap_aligned(min(numel, sub_group_size) * _F32)
     return min(buffer_count, subs) * segments * largest, files
 
 
@@ -103,8 +103,8 @@ def _one_stage(
     if offload_param == "cpu":
         host += out["params"]
     elif offload_param == "nvme":
-        nvme += aligned(out["params"])
-        host += pool_size(param_buffer_count) * aligned(p * shard_numel(largest_unit, world_size)) if largest_unit else 0
+        nvme += swap_aligned(out["params"])
+        host += param_pool_size(param_buffer_count) * swap_aligned(p * shard_numel(largest_unit, world_size)) if largest_unit else 0
     if offload_param != "none":
         out["params"] = 0
     out["total"] = out["params"] + out["grads"] + out["optimizer"]

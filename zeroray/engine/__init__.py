@@ -1,6 +1,22 @@
-"""The ZeRO engine: plain PyTorch, no Ray. See :mod:`zeroray.engine.engine`."""
+"""The ZeRO engine: plain PyTorch, no Ray. See :mod:`zeroray.engine.engine`.
 
-from zeroray.engine.comm import Comm, GroupAborted, import_before_group
-from zeroray.engine.engine import GroupShard, ZeroEngine, initialize
+Its names are imported on first use, so the torch-free modules of the package (:mod:`layout`, the
+partition arithmetic) can be imported without torch, as ``zeroray estimate`` does."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_HOMES = {
+    "Comm": "comm", "GroupAborted": "comm", "import_before_group": "comm",
+    "GroupShard": "engine", "ZeroEngine": "engine", "initialize": "engine",
+}
 
 __all__ = ["Comm", "GroupAborted", "GroupShard", "ZeroEngine", "import_before_group", "initialize"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _HOMES:
+        return getattr(importlib.import_module(f"zeroray.engine.{_HOMES[name]}"), name)
+    raise AttributeError(f"module 'zeroray.engine' has no attribute {name!r}")

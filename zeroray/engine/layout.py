@@ -1,7 +1,8 @@
 """Partition arithmetic: which flat range of which logical tensor each rank owns.
 
 This is the single source of truth for sharding. The engine, the checkpoint code and the memory
-estimator all use it, so a checkpoint written at one world size maps exactly onto another.
+estimator all use it, so a checkpoint written at one world size maps exactly onto another. It imports
+only the standard library, so the estimator (``zeroray estimate``) runs without torch.
 
 A *logical flat group* is the concatenation of some tensors (in a fixed order, unpadded). For a
 world size N the group is padded at its end to a multiple of N and cut into N equal, contiguous
@@ -46,6 +47,20 @@ class Piece:
     @property
     def numel(self) -> int:
         return self.t_hi - self.t_lo
+
+
+SWAP_ALIGN = 4096  # NVMe swap files: offsets, lengths and memory aligned to the page (O_DIRECT)
+MIN_PARAM_BUFFERS = 2  # parameter swap: a staged write and a demand read may overlap
+
+
+def swap_aligned(nbytes: int) -> int:
+    """``nbytes`` rounded up to whole SWAP_ALIGN pages: the size of a swap-file segment."""
+    return -(-nbytes // SWAP_ALIGN) * SWAP_ALIGN
+
+
+def param_pool_size(buffer_count: int) -> int:
+    """Buffers the parameter-swap pool holds for ``offload_param.buffer_count``."""
+    return max(MIN_PARAM_BUFFERS, buffer_count)
 
 
 def padded_numel(numel: int, world_size: int) -> int:

@@ -23,18 +23,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from zeroray.engine.layout import param_pool_size as pool_size
 from zeroray.engine.swap import AlignedBuffer, SwapDir, aligned, wait_all
 
 if TYPE_CHECKING:
     from zeroray.engine.flat_group import FlatGroup
-
-
-MIN_BUFFERS = 2  # a staged write and a demand read may overlap
-
-
-def pool_size(buffer_count: int) -> int:
-    """Buffers the pool holds for ``offload_param.buffer_count``."""
-    return max(MIN_BUFFERS, buffer_count)
 
 
 class ParamFiles:

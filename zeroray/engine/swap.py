@@ -26,12 +26,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-ALIGN = 4096  # O_DIRECT: offsets, lengths and memory aligned to the page
+from zeroray.engine.layout import SWAP_ALIGN as ALIGN  # O_DIRECT: offsets, lengths and memory page-aligned
+from zeroray.engine.layout import swap_aligned as aligned
+
 _HOST = socket.gethostname()
-
-
-def aligned(nbytes: int) -> int:
-    return -(-nbytes // ALIGN) * ALIGN
 
 
 class AlignedBuffer:
