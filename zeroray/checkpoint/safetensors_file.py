@@ -5,9 +5,9 @@ A safetensors file is an 8-byte little-endian header length, a JSON header
 little-endian tensor data, offsets counted from the end of the header. The ``safetensors`` package
 reads whole local files (or memory-maps them); it has no range reads over fsspec, so a rank that
 needs a slice of one tensor from an object store would have to fetch the file. Here the header is
-parsed and checked against the file's size (every tensor must lie inside the file and its byte count
-must fit its dtype and shape), and then only the byte ranges a rank asks for are requested, adjacent
-ones merged. :class:`RangeReader` counts every byte it requests, which is what the
+parsed and checked as the package checks it (:func:`read_header`: a file the package refuses is
+refused, with one line naming the problem), and then only the byte ranges a rank asks for are
+requested, adjacent ones merged. :class:`RangeReader` counts every byte it requests, which is what the
 "≤ 1.1 × the checkpoint's bytes across all ranks" promise of :func:`zeroray.load_pretrained` is
 measured by. Nothing is unpickled.
 """
@@ -46,7 +46,10 @@ DTYPES: dict[str, torch.dtype] = {
     "U8": torch.uint8,
     "BOOL": torch.bool,
 }
-MAX_HEADER = 100 << 20  # the safetensors package's own limit
+MAX_HEADER = 100_000_000  # the safetensors package's own limit (bytes of JSON)
+MAX_DEPTH = 127  # JSON nesting the package's parser (serde_json's recursion limit) accepts
+_U64 = 1 << 64  # the package's sizes and offsets are u64: larger ones are refused
+_TENSOR_FIELDS = ("dtype", "shape", "data_offsets")
 MAX_RUN = 16 << 20  # bytes per range request (merged or cut to it)
 _BATCH = 128 << 20  # bytes of requests in flight at once on object stores (cat_ranges runs them concurrently)
 _IOV_MAX = 1024  # buffers per preadv call (Linux's IOV_MAX)
@@ -260,7 +263,14 @@ def _split(
 
 
 def read_header(reader: RangeReader, path: str, url: str) -> SafetensorsFile:
-    """Read and check the header of the safetensors file at ``path``: two small range reads."""
+    """Read and check the header of the safetensors file at ``path``: two small range reads.
+
+    The checks are the ``safetensors`` package's (``safe_open``): a header of at most 100 MB of
+    UTF-8 JSON (no BOM, no NaN, no lone surrogate, nested at most 127 deep) holding an object of
+    tensors ``{"dtype", "shape", "data_offsets"}`` and an optional ``__metadata__`` of strings; the
+    tensors, in offset order, tile the data from its first byte to the end of the file with no hole
+    and no overlap, each as many bytes as its dtype and shape need. Beyond the package, a dtype
+    zeroray cannot read is refused."""
     try:
         size = int(reader.fs.size(path))
     except FileNotFoundError:
@@ -270,40 +280,121 @@ def read_header(reader: RangeReader, path: str, url: str) -> SafetensorsFile:
     (n,) = struct.unpack("<Q", reader.cat(path, 0, 8, url))
     if n > MAX_HEADER or 8 + n > size:
         raise PretrainedError(
-            f"{url} is truncated or not a safetensors file: its header length {n} runs past the file's {size} bytes"
+            f"{url} is truncated or not a safetensors file: its header length {n} runs past the file's {size} "
+            f"bytes or the format's {MAX_HEADER}"
         )
+    header = _parse(reader.cat(path, 8, 8 + n, url), url)
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise PretrainedError(f"{url} is not a safetensors file: its __metadata__ is not a map of strings")
+    data_bytes = size - 8 - n
+    tensors = {key: _tensor(key, entry, 8 + n, data_bytes, url) for key, entry in header.items()}
+    _check_tiling(tensors, 8 + n, data_bytes, url)
+    return SafetensorsFile(url, path, size, 8 + n, tensors, metadata)
+
+
+class _Object(dict):
+    """A JSON object, remembering which keys it had more than once (the package refuses a repeated
+    ``__metadata__`` or tensor field; a repeated tensor name keeps the last, as here)."""
+
+    repeated: frozenset[str] = frozenset()
+
+
+def _object(pairs: list[tuple[str, Any]]) -> _Object:
+    out = _Object(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        out.repeated = frozenset(k for k, _ in pairs if k in seen or seen.add(k))
+    return out
+
+
+def _refuse_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _parse(raw: bytes, url: str) -> dict[str, Any]:
+    """The header's JSON as the package reads it: strict UTF-8 (``json.loads`` of bytes would also take
+    UTF-16 and UTF-32, and a BOM), strict JSON, bounded nesting; one line on anything else."""
     try:
-        header = json.loads(reader.cat(path, 8, 8 + n, url))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        text = raw.decode("utf-8")
+        header = json.loads(text, object_pairs_hook=_object, parse_constant=_refuse_constant)
+    except UnicodeDecodeError as e:
+        raise PretrainedError(f"{url} is not a safetensors file: its header is not UTF-8 ({e.reason} at byte {e.start})") from None
+    except RecursionError:
+        raise PretrainedError(f"{url} is not a safetensors file: its header nests deeper than {MAX_DEPTH}") from None
+    except ValueError as e:  # json.JSONDecodeError included
         raise PretrainedError(f"{url} is not a safetensors file: its header is not JSON ({e})") from None
     if not isinstance(header, dict):
         raise PretrainedError(f"{url} is not a safetensors file: its header is not a JSON object")
-    metadata = header.pop("__metadata__", None) or {}
-    data_bytes = size - 8 - n
-    tensors = {key: _tensor(key, entry, 8 + n, data_bytes, url) for key, entry in header.items()}
-    return SafetensorsFile(url, path, size, 8 + n, tensors, metadata if isinstance(metadata, dict) else {})
+    if _depth(header) > MAX_DEPTH:
+        raise PretrainedError(f"{url} is not a safetensors file: its header nests deeper than {MAX_DEPTH}")
+    if "\\u" in text:
+        try:  # an escaped lone surrogate decodes to a str that has no UTF-8 form
+            json.dumps(header, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise PretrainedError(f"{url} is not a safetensors file: its header escapes a lone surrogate") from None
+    if "__metadata__" in header.repeated:
+        raise PretrainedError(f"{url} is not a safetensors file: its header repeats __metadata__")
+    return header
+
+
+def _depth(root: dict[str, Any]) -> int:
+    """How deep JSON objects and arrays nest in ``root`` (itself 1)."""
+    deepest, stack = 0, [(root, 1)]
+    while stack:
+        node, depth = stack.pop()
+        deepest = max(deepest, depth)
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return deepest
+
+
+def _size(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < _U64
 
 
 def _tensor(key: str, entry: Any, base: int, data_bytes: int, url: str) -> TensorInfo:
-    """One header entry, checked: known dtype, sane shape, a byte range inside the file that fits."""
-    try:
-        dtype = DTYPES[entry["dtype"]]
-        shape = tuple(int(d) for d in entry["shape"])
-        begin, end = (int(x) for x in entry["data_offsets"])
-    except (KeyError, TypeError, ValueError) as e:
-        got = entry.get("dtype") if isinstance(entry, dict) else entry
-        raise PretrainedError(f"{url}: tensor {key!r} has a bad header entry ({type(e).__name__}: {e}; {got!r})") from None
-    if any(d < 0 for d in shape) or not 0 <= begin <= end:
-        raise PretrainedError(f"{url}: tensor {key!r} has a bad shape {list(shape)} or data_offsets [{begin}, {end}]")
-    want = math.prod(shape) * dtype.itemsize
-    if end - begin != want:
+    """One header entry, checked: its three fields once each, a known dtype, sizes that are u64s,
+    and a byte range inside the file as long as its dtype and shape need."""
+    if not isinstance(entry, dict) or not all(f in entry for f in _TENSOR_FIELDS) or entry.repeated & {*_TENSOR_FIELDS}:
+        raise PretrainedError(f"{url}: tensor {key!r} is not an entry of one dtype, shape and data_offsets")
+    shape, offsets = entry["shape"], entry["data_offsets"]
+    if not isinstance(shape, list) or not all(_size(d) for d in shape):
+        raise PretrainedError(f"{url}: tensor {key!r} has a bad shape {str(shape)[:60]}")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_size(x) for x in offsets):
+        raise PretrainedError(f"{url}: tensor {key!r} has bad data_offsets {str(offsets)[:60]}")
+    dtype = DTYPES.get(entry["dtype"]) if isinstance(entry["dtype"], str) else None
+    if dtype is None:
+        raise PretrainedError(f"{url}: tensor {key!r} has a dtype zeroray cannot read: {str(entry['dtype'])[:30]!r}")
+    numel = 1
+    for d in shape:  # the package's checked product, in order: an overflow on the way is refused
+        numel *= d
+        if numel >= _U64:
+            raise PretrainedError(f"{url}: tensor {key!r}'s shape {shape} overflows 64 bits")
+    begin, end = offsets
+    want = numel * dtype.itemsize
+    if want >= _U64 or end < begin or end - begin != want:
         raise PretrainedError(
             f"{url}: tensor {key!r} has data_offsets [{begin}, {end}] ({end - begin} bytes) but {entry['dtype']} "
-            f"{list(shape)} needs {want} bytes"
+            f"{shape} needs {want} bytes"
         )
     if end > data_bytes:
         raise PretrainedError(
             f"{url}: tensor {key!r} has data_offsets [{begin}, {end}] outside the file's {data_bytes} data bytes "
             "(the file is truncated or its header is corrupt)"
         )
-    return TensorInfo(key, dtype, shape, base + begin, base + end)
+    return TensorInfo(key, dtype, tuple(shape), base + begin, base + end)
+
+
+def _check_tiling(tensors: dict[str, TensorInfo], base: int, data_bytes: int, url: str) -> None:
+    """In offset order the tensors cover the data exactly: no hole (before the first, between two,
+    after the last) and no two sharing bytes."""
+    pos = base
+    for t in sorted(tensors.values(), key=lambda t: (t.start, t.end)):
+        if t.start != pos:
+            what = "overlaps the tensor before it" if t.start < pos else f"leaves a hole of {t.start - pos} bytes before it"
+            raise PretrainedError(f"{url}: tensor {t.key!r} at data bytes [{t.start - base}, {t.end - base}] {what}")
+        pos = t.end
+    if pos != base + data_bytes:
+        raise PretrainedError(f"{url} has {base + data_bytes - pos} bytes after its last tensor's data "
+                              "(a safetensors file's tensors end at the end of the file)")
