@@ -92,6 +92,17 @@ class RankActor:
     def __repr__(self) -> str:  # Ray prefixes the actor's log lines with this
         return actor_name(self.run, self.info.world_rank) if self.info is not None else f"zeroray:{self.run}:idle"
 
+    def _announce_name(self) -> None:
+        """Tell Ray's log monitor this actor's new repr, so the driver prefixes what this process prints
+        with its rank in the current group. Ray reads the repr once, when the actor is created (still idle,
+        no rank yet); a line starting with its marker on stdout and on stderr renames the prefix of what
+        follows (Ray prints the same line at creation)."""
+        from ray._private.ray_constants import LOG_PREFIX_ACTOR_NAME
+
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+            print(f"{LOG_PREFIX_ACTOR_NAME}{self!r}", file=stream, flush=True)
+
     # ------------------------------------------------------------------ placement and rendezvous
     def node_info(self) -> dict[str, Any]:
         import ray
@@ -112,6 +123,7 @@ class RankActor:
         if self.thread is not None:
             raise RuntimeError("RankActor.setup while the previous group's loop is not released")
         self.info = info
+        self._announce_name()
         device = torch.device("cuda", 0) if self.use_gpu else torch.device("cpu")
         if self.use_gpu:
             torch.cuda.set_device(device)  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU(s)
@@ -221,6 +233,8 @@ class RankActor:
         set_session(None)
         rendezvous.destroy_process_group()
         self._clear_loop()
+        self.info = None
+        self._announce_name()  # idle until the next group's setup
         gc.collect()  # the last group's engine and model, before the next one builds its own
         return None
 
