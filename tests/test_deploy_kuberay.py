@@ -26,10 +26,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from tests.deploy_helpers import HEALTH_CHECK, NVME_PATH
+from tests.deploy_helpers import HEALTH_CHECK, NVME_PATH, ROOT, by_kind, cluster_specs, manifests
 
-ROOT = Path(__file__).resolve().parent.parent
-KUBERAY = ROOT / "cluster" / "kuberay"
 CRDS = Path(__file__).resolve().parent / "data" / "kuberay"
 K8S_VERSION = "1.33"  # the oldest Kubernetes minor that KubeRay 1.7 supports among kubernetes-validate's
 CRD_FILES = {
@@ -89,31 +87,9 @@ def validate_manifest(obj: dict[str, Any]) -> None:
         kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
 
 
-def manifests() -> list[tuple[str, dict[str, Any]]]:
-    out = []
-    for path in sorted(KUBERAY.glob("*.yaml")):
-        out += [(f"{path.name}:{d['kind']}/{d['metadata']['name']}", d)
-                for d in yaml.safe_load_all(path.read_text()) if d]
-    return out
-
-
-def by_kind(kind: str) -> list[dict[str, Any]]:
-    return [d for _, d in manifests() if d["kind"] == kind]
-
-
-def cluster_specs() -> list[tuple[str, dict[str, Any]]]:
-    """Every RayClusterSpec: the RayClusters' and the RayJobs' own."""
-    return ([(d["metadata"]["name"], d["spec"]) for d in by_kind("RayCluster")]
-            + [(d["metadata"]["name"], d["spec"]["rayClusterSpec"]) for d in by_kind("RayJob")])
-
-
-def pod_specs(spec: dict[str, Any]) -> list[dict[str, Any]]:
-    return [spec["headGroupSpec"]["template"]["spec"]] + [g["template"]["spec"] for g in spec.get("workerGroupSpecs", [])]
-
-
 def test_the_manifests_are_there() -> None:
     kinds = sorted(d["kind"] for _, d in manifests())
-    assert kinds == ["ConfigMap", "PodMonitor", "PodMonitor", "RayCluster", "RayJob", "RayJob", "Secret"]
+    assert kinds == ["ConfigMap", "NetworkPolicy", "PodMonitor", "PodMonitor", "RayCluster", "RayJob", "RayJob", "Secret"]
 
 
 @pytest.mark.parametrize(("name", "obj"), manifests(), ids=[n for n, _ in manifests()])
@@ -141,8 +117,10 @@ def _set(obj: dict, path: str, value: Any) -> dict:
     ("RayCluster", "spec.workerGroupSpecs.0.maxReplicas", "four", "'four' is not of type 'integer'"),
     ("RayCluster", "metadata.labelz", {"a": "b"}, "'labelz' was unexpected"),
     ("RayJob", "spec.entrypoints", "python x.py", "'entrypoints' was unexpected"),
-    ("RayJob", "spec.rayClusterSpec.headGroupSpec.template.spec.containers.0.envFrom.0.secretRef.nam",
-     "x", "'nam' was unexpected"),
+    ("RayJob", "spec.rayClusterSpec.headGroupSpec.template.spec.securityContext.runAsNonRot",
+     True, "'runAsNonRot' was unexpected"),
+    ("RayJob", "spec.rayClusterSpec.authOptions.mode", "tokens", "'tokens' is not one of"),
+    ("NetworkPolicy", "spec.ingress.0.form", [], "'form' was unexpected"),
     ("PodMonitor", "spec.podMetricsEndpoints.0.prot", "metrics", "'prot' was unexpected"),
     ("Secret", "strinData", {"k": "v"}, "'strinData' was unexpected"),
 ])
@@ -193,14 +171,6 @@ def test_runtime_env_pip_packages_are_the_tested_versions() -> None:
             assert pins[name] == version, (job["metadata"]["name"], req)
 
 
-def test_storage_credentials_come_from_the_secret() -> None:
-    secrets = {s["metadata"]["name"] for s in by_kind("Secret")}
-    (cluster,) = by_kind("RayCluster")
-    for pod in pod_specs(cluster["spec"]):
-        refs = {e["secretRef"]["name"] for c in pod["containers"] for e in c.get("envFrom", [])}
-        assert refs == {"zeroray-storage"} <= secrets
-
-
 def test_gpu_workers_scale_and_have_shared_memory_and_nvme() -> None:
     for name, spec in cluster_specs():
         for group in spec.get("workerGroupSpecs", []):
@@ -211,7 +181,7 @@ def test_gpu_workers_scale_and_have_shared_memory_and_nvme() -> None:
             volumes = {v["name"]: v for v in pod["volumes"]}
             mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
             assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory", name
-            assert NVME_PATH in mounts and "hostPath" in volumes[mounts[NVME_PATH]], name
+            assert NVME_PATH in mounts and "emptyDir" in volumes[mounts[NVME_PATH]], name  # the pod's own, no hostPath
         if spec.get("workerGroupSpecs"):
             assert spec["enableInTreeAutoscaling"] is True, name
 

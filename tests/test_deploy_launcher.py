@@ -14,10 +14,8 @@ import ray
 import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 
-from tests.deploy_helpers import HEALTH_CHECK, NVME_PATH
+from tests.deploy_helpers import HEALTH_CHECK, LAUNCHER_YAMLS, NVME_PATH, ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
-LAUNCHER_YAMLS = sorted((ROOT / "cluster").glob("*.yaml"))
 CLOUD_YAMLS = [p for p in LAUNCHER_YAMLS if yaml.safe_load(p.read_text())["provider"]["type"] != "local"]
 
 
@@ -61,7 +59,7 @@ def test_health_check_object_store_and_metrics_port(path: Path) -> None:
     (head_start,) = [c for c in config["head_start_ray_commands"] if "ray start" in c]
     (worker_start,) = [c for c in config["worker_start_ray_commands"] if "ray start" in c]
     env = dict(w.split("=", 1) for w in head_start.split() if w.startswith("RAY_"))
-    assert env == HEALTH_CHECK
+    assert {k: v for k, v in env.items() if k != "RAY_AUTH_MODE"} == HEALTH_CHECK  # auth: test_deploy_security.py
     for start in (head_start, worker_start):
         assert "--metrics-export-port=8080" in start
         assert "--object-store-memory=$(awk '/MemTotal/ {printf \"%d\", $2 * 1024 * 0.10}' /proc/meminfo)" in start
