@@ -14,7 +14,7 @@ import ray
 import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 
-from tests.deploy_helpers import HEALTH_CHECK, LAUNCHER_YAMLS, NVME_PATH, ROOT
+from tests.deploy_helpers import HEALTH_CHECK, LAUNCHER_YAMLS, NVME_PATH, ROOT, flag, ray_start_calls
 
 CLOUD_YAMLS = [p for p in LAUNCHER_YAMLS if yaml.safe_load(p.read_text())["provider"]["type"] != "local"]
 
@@ -62,7 +62,18 @@ def test_health_check_object_store_and_metrics_port(path: Path) -> None:
     assert {k: v for k, v in env.items() if k != "RAY_AUTH_MODE"} == HEALTH_CHECK  # auth: test_deploy_security.py
     for start in (head_start, worker_start):
         assert "--metrics-export-port=8080" in start
-        assert "--object-store-memory=$(awk '/MemTotal/ {printf \"%d\", $2 * 1024 * 0.10}' /proc/meminfo)" in start
+
+
+@pytest.mark.parametrize("path", LAUNCHER_YAMLS, ids=lambda p: p.name)
+def test_object_store_is_a_tenth_of_the_node_memory_as_its_shell_computes_it(path: Path, tmp_path: Path) -> None:
+    """The start commands size the object store with awk on the node. mawk (Ubuntu's awk, and this
+    machine's) prints ``%d`` of any number above 2**31 - 1 as 2147483647: every node with more than 20 GiB
+    got a 2 GiB object store. The commands run through bash here, with this machine's awk."""
+    mem_kib = int(re.search(r"^MemTotal:\s+(\d+) kB", Path("/proc/meminfo").read_text(), re.M)[1])
+    config = load(path)
+    for role in ("head", "worker"):
+        (start,) = [c for cmd in config[f"{role}_start_ray_commands"] for c in ray_start_calls(cmd, tmp_path)]
+        assert int(flag(start["argv"], "object-store-memory")) == pytest.approx(mem_kib * 1024 * 0.10, abs=1), role
 
 
 @pytest.mark.parametrize("path", LAUNCHER_YAMLS, ids=lambda p: p.name)
