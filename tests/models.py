@@ -35,7 +35,8 @@ class TinyLM(nn.Module):
         self.register_buffer("pos_scale", torch.linspace(0.5, 1.5, seq).unsqueeze(-1))
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        x = self.wte(idx) + self.wpe[: idx.shape[1]] * self.pos_scale[: idx.shape[1]]
+        # The buffer keeps fp32 under bf16 parameters (as DeepSpeed and FSDP2 keep it): cast where it is read.
+        x = self.wte(idx) + self.wpe[: idx.shape[1]] * self.pos_scale[: idx.shape[1]].to(self.wpe.dtype)
         x = x + self.frozen(x)
         for blk in self.h:
             x = blk(x)

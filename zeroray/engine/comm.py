@@ -343,6 +343,16 @@ class Comm:
         """Group rank ``src``'s ``obj`` on every rank (``obj`` is ignored elsewhere)."""
         return self.all_gather_object(obj if self.rank == src else None)[src]
 
+    def any_each(self, flags: torch.Tensor) -> torch.Tensor:
+        """Elementwise OR across ranks of a small 1-D bool tensor (which parameters got a gradient on
+        some rank), on the host; a control message, not counted in :meth:`report`."""
+        if self.world_size == 1:
+            return flags.cpu()
+        device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        t = flags.to(device=device, dtype=torch.int32)
+        self._issue(lambda a: dist.all_reduce(a, op=dist.ReduceOp.MAX, group=self.group, async_op=True), [t], False)
+        return t.cpu().bool()
+
     def any_true(self, flag: torch.Tensor) -> bool:
         """True on every rank if the one-element bool tensor ``flag`` is true on any rank (fp16
         overflow agreement); one host sync."""

@@ -32,6 +32,7 @@ from zeroray.config_loader import ConfigArg, load_config
 from zeroray.engine import units as unit_plan
 from zeroray.engine.comm import Comm, InFlight
 from zeroray.engine.flat_group import FlatGroup
+from zeroray.engine.gather_check import GatherCheck
 from zeroray.engine.gather_pool import GatherPool
 from zeroray.engine.heap_trim import HeapTrimmer
 from zeroray.engine.layout import TensorSlot
@@ -212,6 +213,8 @@ class ZeroEngine:
             plans = unit_plan.plan_buckets(model, group_of, config.comm.reduce_bucket_size)
         self.groups: list[FlatGroup] = []
         self.gather_pool = GatherPool()  # stage 3: gathers reuse freed gather memory
+        # Stage 3: the ranks agree on each gather's group in the first passes (see GatherCheck).
+        self.gather_check = GatherCheck(self.comm) if sharding.shards_params else None
         unit_groups: dict[int | None, list[FlatGroup]] = {}
         pending: list[FlatGroup] = []  # stage 3: groups with meta parameters, installed once initialized
         for plan in plans:
@@ -228,6 +231,7 @@ class ZeroEngine:
                 param_group=plan.param_group,
                 device=self.device,
                 pool=self.gather_pool,
+                check=self.gather_check,
             )
             if g.has_meta:
                 pending.append(g)
@@ -249,10 +253,13 @@ class ZeroEngine:
             meta_init.run(self.device, sink)
             for g in pending:
                 self._start(g, meta)
+        # Buffers keep their dtype (a rotary inv_freq stays fp32), as FSDP2's and DeepSpeed's do, unless
+        # the precision policy names one for them (DeepSpeed's data_types.buffer_dtype).
+        buffer_dtype = _DTYPES[precision.buffer_dtype] if precision.buffer_dtype else None
         with torch.no_grad():
             for b in model.buffers():
-                if b.is_floating_point():
-                    b.data = b.data.to(self.compute_dtype)
+                if buffer_dtype is not None and b.is_floating_point():
+                    b.data = b.data.to(buffer_dtype)
                 if id(b) not in meta:  # a meta-built buffer is the same on every rank already
                     self.comm.broadcast(b, src=0)
 
@@ -302,6 +309,11 @@ class ZeroEngine:
         # Tied parameters (reached under several names): their gradients are summed in place.
         uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
         self.shared_grads = SharedGradSum(p for p in model.parameters() if p.requires_grad and uses[id(p)] > 1)
+        # Parameters frozen at set-up have no gradient buffer or optimizer state: unfreezing one later is an error.
+        self._frozen = [(n, p) for g in self.groups if not g.trainable for n, p in zip(g.param_names, g.params)]
+        # Optimizer steps each trainable parameter took (it is skipped at a step where no rank gave it a
+        # gradient), the same on every rank: a checkpoint keeps the counts that differ within a param group.
+        self._param_steps: dict[FlatGroup, list[int]] = {g: [0] * len(g.params) for g in self.groups if g.trainable}
         self._setup_comm = self.comm.report()
         self.comm.reset()  # the report counts training traffic, not set-up
         for m in model.modules():
@@ -385,6 +397,13 @@ class ZeroEngine:
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss / gradient_accumulation_steps`` (times the fp16 loss scale)."""
+        for name, p in self._frozen:
+            if p.requires_grad:
+                raise RuntimeError(
+                    f"zeroray: parameter {name!r} was frozen (requires_grad=False) when the engine was built and "
+                    "now requires grad; it has no gradient buffer or optimizer state, so it would never train. "
+                    "Unfreeze it before zeroray.initialize (or close the engine and initialize again)"
+                )
         scale = self.loss_scaler.scale / self.gradient_accumulation_steps
         self.reducer.begin(self.is_gradient_accumulation_boundary())
         with self._phases.phase("backward"):
@@ -395,6 +414,8 @@ class ZeroEngine:
             self.reducer.finish()
         if self.scheduler is not None:
             self.scheduler.after_backward()
+        if self.gather_check is not None:
+            self.gather_check.pass_done()
         self._backward_since_step = True
 
     def step(self) -> None:
@@ -412,11 +433,15 @@ class ZeroEngine:
         self._phases.start("optimizer")
         trainable = [g for g in self.groups if g.trainable]
         grads = self.optim.grads()
+        used = self._agree_used()
         if self._unscale_and_check(grads):
             self.skipped_steps += 1
         else:
             self._clip(grads)
-            self.optim.step(grads)
+            self.optim.step(grads, used)
+            for g, counts in self._param_steps.items():
+                for i in range(len(counts)):
+                    counts[i] += 1 if used is None else used[g][i]
             self._publish(trainable, masters_copied=self.optim.home.publishes_shards)
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
@@ -424,6 +449,21 @@ class ZeroEngine:
             g.zero_grad()
         self.global_step += 1
         self._phases.stop("optimizer")
+
+    def _agree_used(self) -> dict[FlatGroup, list[bool]] | None:
+        """Which parameters got a gradient on some rank since the last step (one small control
+        all-reduce); None when all did. The others are not stepped, as DDP and FSDP2 leave them."""
+        local = self.reducer.take_used()
+        groups = list(self._param_steps)
+        flags = torch.tensor([u for g in groups for u in local[g]], dtype=torch.bool)
+        agreed = self.comm.any_each(flags)
+        if bool(agreed.all()):
+            return None
+        out, at = {}, 0
+        for g in groups:
+            out[g] = agreed[at : at + len(g.params)].tolist()
+            at += len(g.params)
+        return out
 
     @property
     def last_grad_norm(self) -> float | None:
@@ -503,6 +543,7 @@ class ZeroEngine:
             "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
             "optimizer_class": type(self.optimizer).__name__,
             "optimizer_scalars": scalars,
+            "param_steps": self._uneven_param_steps(),
             "param_groups": [
                 {k: v for k, v in g.items() if k != "params" and isinstance(v, (int, float, str, bool, list, tuple, type(None)))}
                 for g in self.optimizer.param_groups
@@ -552,7 +593,7 @@ class ZeroEngine:
             for g in self.groups:
                 if not g.trainable:
                     g.write_shard(0, g.shard_numel, tensors[g.name]["weight"].reshape(-1))
-            self.optim.load({g: tensors[g.name] for g in self.optim.groups}, self._scalars(meta))
+            self.optim.load({g: tensors[g.name] for g in self.optim.groups}, self._scalars(meta), self._param_scalars(meta))
             self._publish(self.groups)
         self._load_meta(meta)
 
@@ -576,7 +617,8 @@ class ZeroEngine:
             if weights:
                 fill(ranges([(g, "weight", 0, g.shard_numel, t) for g, t in weights.items()]))
             self.optim.load_stream(
-                {g: keys[g.name] for g in self.optim.groups}, lambda parts: fill(ranges(parts)), self._scalars(meta)
+                {g: keys[g.name] for g in self.optim.groups}, lambda parts: fill(ranges(parts)), self._scalars(meta),
+                self._param_scalars(meta),
             )
             for g, t in weights.items():
                 g.write_shard(0, g.shard_numel, t)
@@ -586,6 +628,33 @@ class ZeroEngine:
     def _scalars(self, meta: dict[str, Any]) -> list[dict[str, float]]:
         saved = meta.get("optimizer_scalars") or []
         return [saved[i] if i < len(saved) else {} for i in range(len(self.optimizer.param_groups))]
+
+    def _uneven_param_steps(self) -> dict[str, int]:
+        """``{name: steps}`` of the parameters stepped fewer times than their param group's most
+        stepped one (they got no gradient at some steps)."""
+        most: dict[int | None, int] = {}
+        for g, counts in self._param_steps.items():
+            most[g.param_group] = max(most.get(g.param_group, 0), *counts)
+        return {n: c for g, counts in self._param_steps.items() for n, c in zip(g.param_names, counts)
+                if c != most[g.param_group]}
+
+    def _param_scalars(self, meta: dict[str, Any]) -> dict[str, dict[str, float] | None]:
+        """Per parameter with uneven steps (see :meth:`_uneven_param_steps`), its scalar states: its
+        group's with its own step count, or None (never stepped: fresh). Sets the step counts too."""
+        scalars = self._scalars(meta)
+        uneven = meta.get("param_steps") or {}
+        out: dict[str, dict[str, float] | None] = {}
+        for g, counts in self._param_steps.items():
+            common = scalars[g.param_group]
+            for i, name in enumerate(g.param_names):
+                counts[i] = n = int(uneven.get(name, common.get("step", meta.get("global_step", 0))))
+                if name not in uneven:
+                    continue
+                if n == 0:
+                    out[name] = None
+                else:
+                    out[name] = {**common, "step": float(n)} if "step" in common else common
+        return out
 
     def _load_meta(self, meta: dict[str, Any]) -> None:
         # Hyperparameters an LR scheduler changed (lr, ...), as torch's Optimizer.load_state_dict does.

@@ -26,7 +26,7 @@ holding its real parameters, and :meth:`write` fills in the rest.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from enum import Enum
 from typing import TYPE_CHECKING
 
@@ -73,10 +73,12 @@ class FlatGroup:
         param_group: int | None,
         device: torch.device,
         pool: GatherPool,
+        check: Callable[[str], None] | None = None,
     ):
         self.name = name
         self.comm = comm
         self.pool = pool  # where gathered memory comes from and goes back to (sharded params)
+        self.check = check  # called with the group's name before each gather (a GatherCheck)
         self.sharding = sharding
         self.trainable = trainable
         self.param_group = param_group
@@ -98,15 +100,23 @@ class FlatGroup:
         self.has_meta = any(p.is_meta for p in self.params)
         self.has_real = not all(p.is_meta for p in self.params)
 
+        # Until install(), values are held in the finer of the parameters' and the compute dtype
+        # (trainable groups): the fp32 masters start from the values the model was built with, not
+        # from their bf16 rounding, as FSDP2's do.
+        self._staging_dtype = (
+            torch.promote_types(compute_dtype, self.params[0].dtype)
+            if trainable and compute_dtype.is_floating_point
+            else compute_dtype
+        )
         # Built sharded: all-meta parameters that will be sharded need no full buffer at set-up.
         self._built_sharded = not self.has_real and sharding.shards_params
         if self._built_sharded:
             # The storage comes back at the first gather.
             self.full = _storageless(self.padded, compute_dtype, device)
-            self.shard = torch.zeros(self.shard_numel, dtype=compute_dtype, device=device)
+            self.shard = torch.zeros(self.shard_numel, dtype=self._staging_dtype, device=device)
             self.state = ParamState.FREED
         else:
-            full = torch.zeros(self.padded, dtype=compute_dtype, device=device)
+            full = torch.zeros(self.padded, dtype=self._staging_dtype, device=device)
             with torch.no_grad():
                 for slot, p in zip(self.slots, self.params):
                     if not p.is_meta:
@@ -114,6 +124,7 @@ class FlatGroup:
             self.full = full
             self.state = ParamState.GATHERED
         self._gather: Handle | None = None
+        self._initial_master: torch.Tensor | None = None  # see take_initial_master
         self.files: ParamFiles | None = None  # offload_param "nvme": the shard lives in a file (park())
         # One element every freed parameter of this group points at (see _free_storage).
         self._placeholder = torch.empty(1, dtype=compute_dtype, device=device)
@@ -157,6 +168,13 @@ class FlatGroup:
         pin = pin_memory and self.device.type == "cuda"
         master_device = self.device if master_device is None else master_device
         shard_device = self.device if shard_device is None or not self.sharding.shards_params else shard_device
+        # This rank's values in the staging dtype (finer than the compute dtype: the master's source).
+        exact: torch.Tensor | None = None
+        if self._staging_dtype != self.compute_dtype:
+            if self._built_sharded:
+                exact, self.shard = self.shard, self.shard.to(self.compute_dtype)
+            else:
+                exact, self.full = self.full[self.lo : self.hi], self.full.to(self.compute_dtype)
         if not self._built_sharded:  # else the shard is already filled and full has no storage
             self._point_params_at_full()
             if self.sharding.shards_params:
@@ -175,12 +193,15 @@ class FlatGroup:
             self.grad_shard = None
         else:
             # Plain fp32 without a copy updates the compute shard in place; other cases keep an fp32 copy.
+            # The master's initial values when it lives elsewhere (NVMe files): read once by its home.
+            self._initial_master = exact if not keep_master else None
             if not keep_master:
                 self.master = None
             elif master_dtype == self.compute_dtype and master_device == self.shard.device and not own_master:
                 self.master = self.shard
             else:
-                self.master = self.shard.to(device=master_device, dtype=master_dtype, copy=True)
+                source = self.shard if exact is None else exact
+                self.master = source.to(device=master_device, dtype=master_dtype, copy=True)
                 if pin and master_device.type == "cpu":
                     self.master = self.master.pin_memory()
             if not self.sharding.shards_grads:
@@ -232,6 +253,8 @@ class FlatGroup:
         """Issue the all-gather of this group's shards (async); no-op unless freed."""
         if self.state is not ParamState.FREED:
             return
+        if self.check is not None:
+            self.check(self.name)
         self.pool.fill(self.full, self.padded * self.full.element_size())
         if self.files is not None:  # read (usually ahead already) straight into my slice of full
             shard = self.full[self.lo : self.hi]
@@ -334,6 +357,12 @@ class FlatGroup:
                 self.master.copy_(torch.where(changed, mine_there.to(self.master.dtype), self.master))
             if self.sharding.shards_params:  # else the shard is a view of full
                 self.write_shard(0, self.shard_numel, mine)
+
+    def take_initial_master(self) -> torch.Tensor:
+        """The master's initial values for a home that keeps it elsewhere (NVMe files), once: the
+        values the model was built with where they are finer than the compute shard."""
+        exact, self._initial_master = self._initial_master, None
+        return self.shard_values() if exact is None else exact
 
     def master_or_shard_fp32(self) -> torch.Tensor:
         """This rank's fp32 slice of the group's weights (frozen groups: cast of the shard)."""

@@ -317,7 +317,7 @@ class NvmeHome(StateHome):
         return f"subgroup{i:05d}.swap"
 
     def prepare(self, subs: Sequence[SubGroup], optimizer: torch.optim.Optimizer) -> None:
-        """Write every sub-group's initial master (the compute shard in fp32) to its file."""
+        """Write every sub-group's initial master (the values the model was built with) to its file."""
         self._subs = subs
         for sub in subs:
             off = 0
@@ -328,13 +328,15 @@ class NvmeHome(StateHome):
             self._segs.append(1)
         n = min(self.buffer_count, len(subs))
         self._bufs = [AlignedBuffer(self.buffer_bytes(1 + self.expected_states)) for _ in range(n)]
+        groups = dict.fromkeys(piece.group for sub in subs for piece in sub.pieces)
+        initial = {g: g.take_initial_master() for g in groups}
         for sub in subs:
             b = sub.index % n
             self._wait_buffer(b)
             buf = self._bufs[b]
             for piece in sub.pieces:
                 _, off = self._offsets[id(piece.param)]
-                buf.tensor[off : off + piece.numel].copy_(piece.group.shard_values()[piece.lo : piece.hi])
+                buf.tensor[off : off + piece.numel].copy_(initial[piece.group][piece.lo : piece.hi])
             self._writes[b] = self.swap.write(self._name(sub.index), buf, self._seg_bytes[sub.index])
         self._drain()
 
@@ -449,11 +451,13 @@ class NvmeHome(StateHome):
             if piece.param.data.data_ptr() != master.data_ptr():  # a grown buffer: keep the values
                 master.copy_(piece.param.data)
             for s, k in enumerate(self.keys or (), start=1):
+                dst = self._segment(buf, i, s)[off : off + piece.numel]
                 if k in found:
-                    dst = self._segment(buf, i, s)[off : off + piece.numel]
                     if found[k].data_ptr() != dst.data_ptr():  # fresh tensors made by the first step
                         dst.copy_(found[k])
                     del state[k]
+                elif not found:  # never stepped (no gradient yet): zeros in the file, as states() reads it
+                    dst.zero_()
             piece.param.data = self._placeholder
 
     def publish(self, sub: SubGroup) -> None:
@@ -558,6 +562,8 @@ class NvmeHome(StateHome):
                     optimizer.state[piece.param] = _scalar_state(scalars(piece))
                 else:
                     optimizer.state.pop(piece.param, None)
+                    for s in range(1, 1 + len(self.keys or ())):  # fresh: zeros, as states() reads them
+                        self._segment(buf, i, s)[off : off + piece.numel].zero_()
             self._writes[b] = self._write_from(i, buf)
         self._drain()
 

@@ -79,6 +79,8 @@ class GradReducer:
         # would sit idle at the peak (the start of backward).
         self._held: dict[FlatGroup, list[tuple[int, torch.Tensor]]] = {}
         self._held_numel: dict[FlatGroup, int] = {}
+        # Which parameters got a gradient since the last optimizer step (see take_used).
+        self._used: dict[FlatGroup, list[bool]] = {g: [False] * len(g.params) for g in self.groups}
         self._hooks = [
             p.register_post_accumulate_grad_hook(partial(self._on_grad, g, i))
             for g in self.groups
@@ -141,6 +143,7 @@ class GradReducer:
                 "reduce gradients"
             )
         grad, p.grad = p.grad, None
+        self._used[g][i] = True
         if not self._hold(g, i, grad):
             self._buffer(g).write(i, grad)
         self._remaining[g] -= 1
@@ -183,6 +186,13 @@ class GradReducer:
         self.active = False
         if self._trimmer is not None:
             self._trimmer.trim()
+
+    def take_used(self) -> dict[FlatGroup, list[bool]]:
+        """Per group, which of its parameters got a gradient on this rank since the last call (the
+        optimizer step): a parameter without one is not stepped, as under DDP."""
+        used = self._used
+        self._used = {g: [False] * len(g.params) for g in self.groups}
+        return used
 
     def cached_bytes(self) -> int:
         """Bytes of reusable temporaries held now (none between backwards)."""

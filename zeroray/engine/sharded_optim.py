@@ -121,12 +121,15 @@ def _constructor_kwargs(cls: type, defaults: dict) -> dict:
 
 @dataclass(frozen=True)
 class Piece:
-    """A contiguous slice ``[lo, hi)`` of one flat group's master shard: one torch parameter."""
+    """A contiguous slice ``[lo, hi)`` of one flat group's master shard inside one model parameter
+    (``index`` into the group's parameters; None: the shard's padding): one torch parameter, so a
+    model parameter without a gradient is skipped by the torch optimizer as it would be in DDP."""
 
     group: FlatGroup
     lo: int
     hi: int
     param: nn.Parameter
+    index: int | None
 
     @property
     def numel(self) -> int:
@@ -145,29 +148,48 @@ class SubGroup:
         return sum(p.numel for p in self.pieces)
 
 
-def plan_sub_groups(groups: Sequence[FlatGroup], sub_group_size: int) -> list[list[tuple[FlatGroup, int, int]]]:
-    """Consecutive ``(group, lo, hi)`` slices of the trainable groups' shards, packed in order into
-    sub-groups of at most ``sub_group_size`` elements (a group larger than that is split)."""
-    subs: list[list[tuple[FlatGroup, int, int]]] = []
-    cur: list[tuple[FlatGroup, int, int]] = []
+def _param_spans(g: FlatGroup) -> list[tuple[int, int, int | None]]:
+    """``(lo, hi, index)``: this rank's shard of ``g`` cut at its parameters' bounds (shard offsets;
+    index None for the padding past the last parameter)."""
+    spans = []
+    for i, slot in enumerate(g.slots):
+        lo, hi = max(slot.offset, g.lo), min(slot.end, g.hi)
+        if lo < hi:
+            spans.append((lo - g.lo, hi - g.lo, i))
+    end = spans[-1][1] if spans else 0
+    if end < g.shard_numel:
+        spans.append((end, g.shard_numel, None))
+    return spans
+
+
+def plan_sub_groups(groups: Sequence[FlatGroup], sub_group_size: int) -> list[list[tuple[FlatGroup, int, int, int | None]]]:
+    """Consecutive ``(group, lo, hi, index)`` slices of the trainable groups' shards, each inside one
+    parameter (see :func:`_param_spans`), packed in order into sub-groups of at most
+    ``sub_group_size`` elements (a parameter larger than the room left is split)."""
+    subs: list[list[tuple[FlatGroup, int, int, int | None]]] = []
+    cur: list[tuple[FlatGroup, int, int, int | None]] = []
     room = sub_group_size
     for g in groups:
         if not g.trainable:
             continue
-        lo = 0
-        while True:
-            hi = min(g.shard_numel, lo + room)
-            cur.append((g, lo, hi))
-            room -= hi - lo
-            lo = hi
-            if room == 0:
-                subs.append(cur)
-                cur, room = [], sub_group_size
-            if lo >= g.shard_numel:
-                break
+        for lo, end, index in _param_spans(g):
+            while lo < end:
+                hi = min(end, lo + room)
+                cur.append((g, lo, hi, index))
+                room -= hi - lo
+                lo = hi
+                if room == 0:
+                    subs.append(cur)
+                    cur, room = [], sub_group_size
     if cur:
         subs.append(cur)
     return subs
+
+
+def _zeros_like_state(per_piece: Sequence[Mapping[str, torch.Tensor]], key: str, numel: int) -> torch.Tensor:
+    """A never-stepped piece's ``key``: zeros where the group's other pieces keep theirs."""
+    like = next(st[key] for st in per_piece if key in st)
+    return torch.zeros(numel, dtype=like.dtype, device=like.device)
 
 
 def _mul(t: torch.Tensor, factor: float | torch.Tensor) -> None:
@@ -245,8 +267,8 @@ class ShardedOptimizer:
         self.pieces_of: dict[FlatGroup, list[Piece]] = {g: [] for g in self.groups}
         for i, slices in enumerate(plan):
             pieces = []
-            for g, lo, hi in slices:
-                piece = Piece(g, lo, hi, nn.Parameter(home.param_data(g, lo, hi), requires_grad=True))
+            for g, lo, hi, index in slices:
+                piece = Piece(g, lo, hi, nn.Parameter(home.param_data(g, lo, hi), requires_grad=True), index)
                 pieces.append(piece)
                 per_group[g.param_group].append(piece.param)
                 self.pieces_of[g].append(piece)
@@ -265,11 +287,15 @@ class ShardedOptimizer:
         """This rank's gradient shards as the optimizer will read them (fp32, where it steps)."""
         return GradShards(self.groups, self.home.grad, lazy=self.home.lazy_grads)
 
-    def step(self, grads: GradShards) -> None:
+    def step(self, grads: GradShards, used: Mapping[FlatGroup, Sequence[bool]] | None = None) -> None:
         """Step every sub-group in turn with ``grads`` (unscaled and clipped), and write the updated
-        masters into the compute shards (cast)."""
+        masters into the compute shards (cast). ``used[g][i]``: parameter ``i`` of ``g`` got a
+        gradient on some rank; the others get none, so the torch optimizer skips them (no decay, no
+        moment update, no step counted), as it does under DDP. None: every parameter got one."""
         for sub, _ in self.home.cycle(self.sub_groups, self.optimizer):
             for piece in sub.pieces:
+                if piece.index is None or (used is not None and not used[piece.group][piece.index]):
+                    continue
                 piece.param.grad = grads.piece(piece.group, piece.lo, piece.hi)
             self.optimizer.step()
             for piece in sub.pieces:
@@ -291,18 +317,20 @@ class ShardedOptimizer:
         return self.home.master(g)
 
     def states(self, g: FlatGroup) -> dict[str, torch.Tensor]:
-        """``g``'s elementwise optimizer states, each a 1-D tensor over its whole shard."""
+        """``g``'s elementwise optimizer states, each a 1-D tensor over its whole shard (zeros for
+        the pieces never stepped: their parameters got no gradient yet)."""
         pieces = self.pieces_of[g]
         per_piece = [self.home.states(p, self.optimizer) for p in pieces]
-        keys = per_piece[0].keys() if per_piece else ()
+        keys = self.state_keys(g)
         if len(pieces) == 1:
             return dict(per_piece[0])
-        return {k: torch.cat([s[k] for s in per_piece]) for k in keys}
+        return {k: torch.cat([st.get(k, _zeros_like_state(per_piece, k, p.numel)) for p, st in zip(pieces, per_piece)])
+                for k in keys}
 
     def state_keys(self, g: FlatGroup) -> list[str]:
-        """Names of ``g``'s elementwise optimizer states (none before the first step), sorted; reads nothing."""
-        pieces = self.pieces_of.get(g)
-        return self.home.state_keys(pieces[0], self.optimizer) if pieces else []
+        """Names of ``g``'s elementwise optimizer states (none before its first step), sorted; reads nothing."""
+        found = (self.home.state_keys(p, self.optimizer) for p in self.pieces_of.get(g, ()))
+        return max(found, key=len, default=[])
 
     def read(self, g: FlatGroup, key: str) -> Iterator[torch.Tensor]:
         """``g``'s shard of ``key`` ("weight": the fp32 master, or a state of :meth:`state_keys`) as
@@ -311,8 +339,10 @@ class ShardedOptimizer:
         if key == "weight" and (self.home.in_memory or not g.trainable):
             yield self.master(g)
         elif self.home.in_memory:
-            for piece in self.pieces_of[g]:
-                yield self.home.states(piece, self.optimizer)[key]
+            pieces = self.pieces_of[g]
+            per_piece = [self.home.states(p, self.optimizer) for p in pieces]
+            for piece, st in zip(pieces, per_piece):
+                yield st[key] if key in st else _zeros_like_state(per_piece, key, piece.numel)
         else:
             yield from self.home.stream(self.pieces_of[g], key, self.optimizer)
 
@@ -325,38 +355,58 @@ class ShardedOptimizer:
             return None
         return StateCopy(lambda g, key: files.stream(self.pieces_of[g], key), files.close)
 
+    def _piece_scalars(self, piece: Piece) -> dict[str, float]:
+        """``piece``'s scalar states (e.g. Adam's step); empty before its first step."""
+        state = self.optimizer.state.get(piece.param, {})
+        return {k: float(v) for k, v in state.items() if not torch.is_tensor(v) or v.dim() == 0}
+
     def scalars(self) -> list[dict[str, float]]:
-        """Per param group, the optimizer's scalar states (e.g. Adam's step)."""
-        out: list[dict[str, float]] = []
-        for group in self.optimizer.param_groups:
-            found: dict[str, float] = {}
-            for p in group["params"]:
-                for k, v in self.optimizer.state.get(p, {}).items():
-                    if not torch.is_tensor(v) or v.dim() == 0:
-                        found[k] = float(v)
-            out.append(found)
+        """Per param group, the optimizer's scalar states (e.g. Adam's step) of its most stepped
+        parameter on this rank (a parameter that got no gradient at some steps counts fewer)."""
+        out: list[dict[str, float]] = [{} for _ in self.optimizer.param_groups]
+        for pieces in self.pieces_of.values():
+            for piece in pieces:
+                found = self._piece_scalars(piece)
+                best = out[piece.group.param_group]
+                if found and found.get("step", 0.0) >= best.get("step", 0.0):
+                    out[piece.group.param_group] = found
         return out
 
-    def load(self, tensors: Mapping[FlatGroup, Mapping[str, torch.Tensor]], scalars: Sequence[dict[str, float]]) -> None:
+    def _load_scalars(self, scalars: Sequence[dict[str, float]], param_scalars: Mapping[str, dict[str, float] | None]
+                      ) -> Callable[[Piece], dict[str, float] | None]:
+        """Each piece's scalar states to load; None: none, the piece starts fresh (never stepped)."""
+        def of(piece: Piece) -> dict[str, float] | None:
+            if piece.index is None:
+                return None
+            return param_scalars.get(piece.group.param_names[piece.index], scalars[piece.group.param_group])
+
+        return of
+
+    def load(self, tensors: Mapping[FlatGroup, Mapping[str, torch.Tensor]], scalars: Sequence[dict[str, float]],
+             param_scalars: Mapping[str, dict[str, float] | None] | None = None) -> None:
         """Install every trainable group's master (``"weight"``: fp32 values of its shard) and
-        optimizer states (none: fresh); ``scalars`` per param group. In memory the state tensors are
-        taken over where they fit; swap files are each written once."""
+        optimizer states (none: fresh); ``scalars`` per param group, ``param_scalars`` by parameter
+        name where they differ (None: never stepped, fresh). In memory the state tensors are taken
+        over where they fit; swap files are each written once."""
         if not self.home.in_memory:
             def take(parts: list[tuple[FlatGroup, str, int, int, torch.Tensor]]) -> None:
                 for g, k, lo, hi, dest in parts:
                     dest.copy_(tensors[g][k].reshape(-1)[lo:hi])
 
-            return self.load_stream({g: list(tensors[g]) for g in self.groups}, take, scalars)
+            return self.load_stream({g: list(tensors[g]) for g in self.groups}, take, scalars, param_scalars)
+        scalars_of = self._load_scalars(scalars, param_scalars or {})
         for g in self.groups:
             weight = tensors[g]["weight"].reshape(-1)
             states = {k: v.reshape(-1) for k, v in tensors[g].items() if k != "weight"}
             for piece in self.pieces_of[g]:
-                part = {k: v[piece.lo : piece.hi] for k, v in states.items()}
-                self.home.load(piece, weight[piece.lo : piece.hi], part, scalars[g.param_group], self.optimizer)
+                found = scalars_of(piece)
+                part = {k: v[piece.lo : piece.hi] for k, v in states.items()} if found is not None else {}
+                self.home.load(piece, weight[piece.lo : piece.hi], part, found or {}, self.optimizer)
             if g.master is None:  # kept elsewhere: the compute shard takes the values now
                 g.write_shard(0, g.shard_numel, weight)
 
-    def load_stream(self, keys: Mapping[FlatGroup, Sequence[str]], fill: ShardFill, scalars: Sequence[dict[str, float]]) -> None:
+    def load_stream(self, keys: Mapping[FlatGroup, Sequence[str]], fill: ShardFill, scalars: Sequence[dict[str, float]],
+                    param_scalars: Mapping[str, dict[str, float] | None] | None = None) -> None:
         """As :meth:`load`, with the values written by ``fill(parts)`` into ``(group, key, lo, hi,
         dest)`` destinations (``[lo, hi)`` of the group's shard; ``keys[g]``: "weight" and the
         states to load). In memory: one call for everything, then :meth:`load`; in swap files: one
@@ -364,12 +414,13 @@ class ShardedOptimizer:
         if self.home.in_memory:
             tensors = {g: {k: torch.empty(g.shard_numel, dtype=torch.float32) for k in keys[g]} for g in self.groups}
             fill([(g, k, 0, g.shard_numel, t) for g in self.groups for k, t in tensors[g].items()])
-            return self.load(tensors, scalars)
+            return self.load(tensors, scalars, param_scalars)
+        scalars_of = self._load_scalars(scalars, param_scalars or {})
         self.home.load_stream(
             self.sub_groups,
-            lambda piece: keys[piece.group],
+            lambda piece: keys[piece.group] if scalars_of(piece) is not None else ["weight"],
             lambda parts: fill([(p.group, k, lo, hi, dest) for p, k, lo, hi, dest in parts]),
-            lambda piece: scalars[piece.group.param_group],
+            lambda piece: scalars_of(piece) or {},
             self.optimizer,
         )
 

@@ -1,7 +1,9 @@
 """Which parameters share a flat buffer.
 
 Stage 3 gathers parameters a *unit* at a time: by default each block of an ``nn.ModuleList``
-(a transformer's layers), else each top-level child, or the modules the user names. A parameter
+(a transformer's layers), else each top-level child, or the modules the user names. A unit must be
+a module whose forward runs: a container (a ModuleList or ModuleDict inside the list) is replaced
+by its children, recursively. A parameter
 that sits in no unit, or in several (tied weights such as embedding = LM head), goes to the root
 unit, which stays gathered from the start of forward until backward no longer reads it (see
 :mod:`zeroray.engine.schedule`).
@@ -54,8 +56,16 @@ def find_units(model: nn.Module, names: Sequence[str] | None = None) -> list[tup
         candidates = [(f"{n}.{i}", child) for n, m in lists for i, child in enumerate(m)]
         if not candidates:
             candidates = list(model.named_children())
-    units = _outermost(candidates)
+    units = _outermost([u for n, m in candidates for u in _runs(n, m)])
     return [(n, m) for n, m in units if any(True for _ in m.parameters())]
+
+
+def _runs(name: str, module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``module``, or where it is a container whose forward never runs (a ModuleList of ModuleLists,
+    a ModuleDict of blocks), the modules inside it that run: a unit is gathered by its forward hooks."""
+    if type(module).forward is not nn.Module.forward:
+        return [(name, module)]
+    return [u for n, child in module.named_children() for u in _runs(f"{name}.{n}", child)]
 
 
 def _outermost(mods: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
