@@ -281,3 +281,35 @@ def test_direct_reads_of_unaligned_ranges_into_split_buffers(tmp_path: Path) -> 
         assert _read_direct(fd, bounce, len(raw) - 40, [memoryview(bytearray(100))]) == 40
     finally:
         os.close(fd)
+
+
+def test_a_meta_built_model_initializes_only_what_the_pretrained_file_lacks(sources: dict[str, dict[str, Any]]) -> None:
+    """Hugging Face skips initializing the keys it loads: a meta-built Llama given pretrained_keys runs
+    its initializer only on modules holding something the file lacks (the rotary embedding's
+    non-persistent inv_freq), none on the 70B-sized rest; RMSNorm, with no reset_parameters(), needs
+    nothing; the loaded weights are the file's."""
+    src = sources["llama"]
+    with torch.device("meta"):
+        model = BUILDERS["llama"](0)
+    keys = zeroray.pretrained_keys(model, str(src["dir"]))
+    assert "model.norm.weight" in keys and "lm_head.weight" in keys  # tied: both names
+    assert not any("inv_freq" in k for k in keys)  # not persistent, not in the file
+    ran: list[str] = []
+
+    def init_fn(module: torch.nn.Module) -> None:
+        ran.append(type(module).__name__)
+        model._init_weights(module)
+
+    torch.manual_seed(0)
+    engine = zeroray.initialize(model, torch.optim.AdamW(model.parameters()), zeroray.ZeroConfig(stage=3),
+                                init_fn=init_fn, loaded_keys=keys)
+    assert set(ran) == {"LlamaRotaryEmbedding"}, ran
+    assert engine.initialized_names == ["model.rotary_emb.inv_freq", "model.rotary_emb.original_inv_freq"]
+    zeroray.load_pretrained(engine, str(src["dir"]))
+    assert_loaded(engine.full_state_dict(), src["expected"], "llama")
+    engine.close()
+
+    with torch.device("meta"):
+        model = BUILDERS["llama"](0)
+    with pytest.raises(ValueError, match=r"model\.norm\.weight.*held only by modules without reset_parameters"):
+        zeroray.initialize(model, torch.optim.AdamW(model.parameters()), zeroray.ZeroConfig(stage=3))

@@ -29,7 +29,7 @@ def __getattr__(name: str) -> Any:
         import zeroray.train as train
 
         return getattr(train, name)
-    if name in ("load_pretrained", "LoadReport", "PretrainedError"):
+    if name in ("load_pretrained", "pretrained_keys", "LoadReport", "PretrainedError"):
         import zeroray.pretrained as pretrained
 
         return getattr(pretrained, name)
@@ -42,6 +42,6 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "ZeroConfig", "OffloadConfig", "PrecisionPolicy", "load_config", "ZeroEngine", "initialize", "estimate",
-    "load_pretrained", "LoadReport", "PretrainedError",
+    "load_pretrained", "pretrained_keys", "LoadReport", "PretrainedError",
     *_TRAIN_EXPORTS,
 ]

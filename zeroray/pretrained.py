@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 
 from zeroray.checkpoint.manifest import MANIFEST
 from zeroray.checkpoint.safetensors_file import (
@@ -134,6 +135,24 @@ def load_pretrained(
     )
 
 
+def pretrained_keys(
+    model: nn.Module, source: str, *, key_map: KeyMap | None = None, storage_options: dict[str, Any] | None = None
+) -> list[str]:
+    """The model's parameter and buffer names (every name of a tied parameter) that the safetensors
+    weights at ``source`` hold, keys mapped as :func:`load_pretrained` maps them; reads only the
+    headers. Pass it as ``zeroray.initialize(..., loaded_keys=...)`` so a meta-built model initializes
+    only what the file lacks."""
+    fs, root = open_url(source, storage_options)
+    _, where = _files(RangeReader(fs), source, root)
+    aliases = _aliases(model, {n: None for n, _ in model.named_parameters()})
+    buffers = set(_persistent_buffers(model, aliases))
+    mapped, _ = _map_keys(list(where), key_map, set(aliases) | buffers)
+    slot_of = {a: slot for slot, names in aliases.items() for a in names}
+    provided = {name for name in mapped.values() if name is not None}
+    slots = {slot_of[n] for n in provided if n in slot_of}
+    return sorted({a for slot in slots for a in aliases[slot]} | (provided & buffers))
+
+
 def _agree(
     engine: ZeroEngine, fn: Callable[[], Any], what: str, changed: str, reader: RangeReader | None = None
 ) -> tuple[Any, int]:
@@ -193,8 +212,8 @@ def _plan(
 ) -> _Plan:
     files, where = _files(reader, url, root)
     slots = {s.name: s.shape for gs in states for s in gs.slots}
-    aliases = _aliases(engine, slots)
-    buffers = _persistent_buffers(engine, aliases)
+    aliases = _aliases(engine.module, slots)
+    buffers = _persistent_buffers(engine.module, aliases)
     known = set(aliases) | set(buffers)
     mapped, prefix = _map_keys(list(where), key_map, known)
     by_model: dict[str, str] = {}  # model name -> file key
@@ -322,10 +341,10 @@ def _pickle_message(url: str, names: list[str]) -> str:
     )
 
 
-def _aliases(engine: ZeroEngine, slots: dict[str, Any]) -> dict[str, list[str]]:
+def _aliases(module: nn.Module, slots: dict[str, Any]) -> dict[str, list[str]]:
     """Every parameter slot's names: its own first, then the other names the model ties it under."""
     names: dict[int, list[str]] = {}
-    for n, p in engine.module.named_parameters(remove_duplicate=False):
+    for n, p in module.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(n)
     out = {}
     for group in names.values():
@@ -337,11 +356,11 @@ def _aliases(engine: ZeroEngine, slots: dict[str, Any]) -> dict[str, list[str]]:
     return out
 
 
-def _persistent_buffers(engine: ZeroEngine, aliases: dict[str, list[str]]) -> dict[str, tuple[int, ...]]:
+def _persistent_buffers(module: nn.Module, aliases: dict[str, list[str]]) -> dict[str, tuple[int, ...]]:
     """The model's persistent buffers (what its state_dict holds beside the parameters)."""
     params = {a for names in aliases.values() for a in names}
-    shapes = {n: tuple(b.shape) for n, b in engine.module.named_buffers()}
-    return {n: shapes[n] for n in engine.module.state_dict(keep_vars=True) if n not in params and n in shapes}
+    shapes = {n: tuple(b.shape) for n, b in module.named_buffers()}
+    return {n: shapes[n] for n in module.state_dict(keep_vars=True) if n not in params and n in shapes}
 
 
 def _map_keys(keys: list[str], key_map: KeyMap | None, known: set[str]) -> tuple[dict[str, str | None], str | None]:

@@ -20,7 +20,7 @@ import dataclasses
 import functools
 import weakref
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -131,6 +131,7 @@ class ZeroEngine:
         *,
         init_fn: InitFn | None = None,
         device: str | torch.device | None = None,
+        loaded_keys: Collection[str] = (),
     ):
         # ---- validation: everything that can be wrong fails here, before any communication
         if not isinstance(model, nn.Module):
@@ -152,7 +153,9 @@ class ZeroEngine:
             )
         self.device = compute_device(model, device, process_group)
         meta = meta_tensor_ids(model)
-        meta_init = MetaInit(model, init_fn) if meta else None
+        meta_init = MetaInit(model, init_fn, loaded_keys) if meta else None
+        # The meta tensors an initializer wrote (those loaded_keys does not name).
+        self.initialized_names: list[str] = meta_init.initialized if meta_init is not None else []
         if not meta and init_fn is not None:
             raise ValueError(
                 "init_fn was given but no parameter or buffer of the model is on the meta device; build the "
@@ -848,6 +851,7 @@ def initialize(
     *,
     init_fn: InitFn | None = None,
     device: str | torch.device | None = None,
+    loaded_keys: Collection[str] = (),
 ) -> ZeroEngine:
     """Wrap ``model`` and ``optimizer`` in a ZeRO engine on ``process_group`` (default: WORLD).
 
@@ -863,5 +867,11 @@ def initialize(
     tensors at a time. No weight is broadcast for them. The engine computes on the device of the
     model's real parameters; for a wholly meta model on ``device``, by default the current CUDA
     device when CUDA is available and the process group is NCCL (or absent), else the CPU.
+
+    ``loaded_keys``: names of meta parameters and buffers that a checkpoint fills right after (e.g.
+    ``zeroray.pretrained_keys(model, source)`` before ``zeroray.load_pretrained``): they are not
+    initialized, and a module whose meta tensors are all among them needs no initializer, as Hugging
+    Face skips the keys it loads; ``engine.initialized_names`` lists what was initialized.
     """
-    return ZeroEngine(model, optimizer, config, process_group, lr_scheduler, init_fn=init_fn, device=device)
+    return ZeroEngine(model, optimizer, config, process_group, lr_scheduler, init_fn=init_fn, device=device,
+                      loaded_keys=loaded_keys)

@@ -21,11 +21,16 @@ tensor would silently do nothing (and draw nothing from the RNG), so it raises, 
 the initializer writes a scratch copy. A meta tensor no initializer writes holds zeros, the same on
 every rank; without ``init_fn`` a meta tensor whose modules have no ``reset_parameters`` is refused
 up front, since it would certainly stay zero.
+
+Tensors whose values will be loaded right after (``loaded``: the keys of a pretrained checkpoint, as
+Hugging Face skips initializing the keys it loads) are materialized but not initialized: a module
+whose meta tensors are all loaded is skipped (it needs no ``reset_parameters``, and costs no
+initializer time); :attr:`MetaInit.initialized` names the tensors an initializer did write.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import torch
@@ -91,32 +96,39 @@ class _Holder:
     name: str
     module: nn.Module
     tensors: list[torch.Tensor]  # the module's direct parameters and buffers
+    initialize: bool  # some meta tensor of it is not loaded afterwards: its initializer runs
 
 
 class MetaInit:
     """Which modules get initialized, in which order, and how (validated at construction)."""
 
-    def __init__(self, model: nn.Module, init_fn: InitFn | None):
+    def __init__(self, model: nn.Module, init_fn: InitFn | None, loaded: Collection[str] = ()):
         self.init_fn = init_fn
+        named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+        skip = {id(t) for n, t in named if n in set(loaded)}
         self.holders: list[_Holder] = []
         for name, m in model.named_modules():
             direct = [t for t in [*m._parameters.values(), *m._buffers.values()] if t is not None]
             if any(t.is_meta for t in direct):
-                self.holders.append(_Holder(name, m, direct))
+                self.holders.append(_Holder(name, m, direct, any(t.is_meta and id(t) not in skip for t in direct)))
         # Index of the last module holding each meta tensor: after it, the tensor is final.
         self.last: dict[int, int] = {id(t): i for i, h in enumerate(self.holders) for t in h.tensors if t.is_meta}
+        # The meta tensors an initializer writes (those not loaded afterwards), by name.
+        ids = {id(t) for h in self.holders if h.initialize for t in h.tensors if t.is_meta and id(t) not in skip}
+        self.initialized: list[str] = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if id(t) in ids]
         if init_fn is None:
-            self._refuse_unreachable(model)
+            self._refuse_unreachable(model, skip)
 
-    def _refuse_unreachable(self, model: nn.Module) -> None:
+    def _refuse_unreachable(self, model: nn.Module, skip: set[int]) -> None:
         reached = {id(t) for h in self.holders if callable(getattr(h.module, "reset_parameters", None)) for t in h.tensors}
-        names = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta and id(t) not in reached]
+        names = [n for n, t in [*model.named_parameters(), *model.named_buffers()]
+                 if t.is_meta and id(t) not in reached and id(t) not in skip]
         if names:
             shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
             raise ValueError(
                 f"the meta tensor(s) {shown} are held only by modules without reset_parameters(), so nothing "
                 "would initialize them; pass init_fn=(module -> None) to initialize every module that holds "
-                "meta tensors"
+                "meta tensors, or loaded_keys= naming those a checkpoint fills (zt.prepare(pretrained=...) does)"
             )
 
     def run(self, device: torch.device, sink: Sink) -> None:
@@ -131,8 +143,9 @@ class MetaInit:
                     elif id(t) not in self.last:  # a real tensor: the initializer writes a scratch copy
                         shielded.append((t, t.data))
                         t.data = torch.zeros(t.shape, dtype=t.dtype, device=t.device)
-                with _RefuseMeta(h):
-                    self._initialize(h.module)
+                if h.initialize:
+                    with _RefuseMeta(h):
+                        self._initialize(h.module)
                 for t, data in shielded:
                     t.data = data
                 for t in h.tensors:

@@ -43,8 +43,10 @@ def prepare(
     ``pretrained``: a Hugging Face safetensors directory (any fsspec URL; ``RunConfig.storage_options``
     are used) loaded into the shards by ``zeroray.load_pretrained`` (strict, ``pretrained_key_map`` as
     its ``key_map``) when the run has no checkpoint yet; on a resume the run's own checkpoint wins.
-    Build the model on the meta device with an ``init_fn`` that sets what the file lacks (e.g. HF's
-    ``model._init_weights`` for the rotary ``inv_freq`` buffers).
+    A meta-built model then initializes only what the file lacks (``zeroray.pretrained_keys``), as
+    Hugging Face does for missing keys; rank 0 logs their names. ``init_fn`` is needed only where a
+    tensor the file lacks sits in a module without ``reset_parameters()`` (e.g. a rotary embedding's
+    non-persistent ``inv_freq``: HF's ``model._init_weights``).
     """
     session = get_session("prepare()")
     if session.engine is not None:
@@ -55,6 +57,11 @@ def prepare(
 
     device = session.context.device
     tensors = [*model.parameters(), *model.buffers()]
+    loaded_keys: list[str] = []
+    if pretrained is not None and any(t.is_meta for t in tensors):
+        from zeroray.pretrained import pretrained_keys
+
+        loaded_keys = pretrained_keys(model, pretrained, key_map=pretrained_key_map, storage_options=session.storage_options)
     if any(t.is_meta for t in tensors):
         # Module.to() cannot copy out of meta; move only the real tensors (keeping their objects).
         with torch.no_grad():
@@ -71,8 +78,13 @@ def prepare(
         lr_scheduler=lr_scheduler,
         init_fn=init_fn,
         device=device,
+        loaded_keys=loaded_keys,
     )
     session.engine = engine
+    if loaded_keys and session.context.get_world_rank() == 0:
+        names = engine.initialized_names
+        logger.info("zeroray: initialized %d tensor(s) the pretrained weights lack%s", len(names),
+                    f": {', '.join(names[:20])}{' ...' if len(names) > 20 else ''}" if names else "")
     if not checkpoint_manager.resume(session) and pretrained is not None:
         from zeroray.pretrained import load_pretrained
 
