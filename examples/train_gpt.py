@@ -11,6 +11,12 @@ its own random windows (an elastic run takes the windows of its global sample in
 resized run sees the same samples in the same steps); the loss falls within a couple of minutes on a
 2-core laptop. At the end the
 script prints a sample from the model and each rank's memory by category.
+
+A DeepSpeed config is run as written: its "auto" values are resolved here, before the run, as Hugging
+Face's Trainer does from its flags (--lr, this script's AdamW betas, eps and weight decay; the GPT's
+hidden size), its optimizer block builds the optimizer and its scheduler block sets the learning rate
+(otherwise this script's AdamW and warm-up + cosine schedule); --stage overrides its stage. Every
+argument and the config are checked before Ray starts: a bad one is one line on stderr, exit 2.
 """
 
 from __future__ import annotations
@@ -20,27 +26,28 @@ import dataclasses
 import logging
 import math
 import os
+import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
 try:
     import zeroray  # noqa: F401
 except ImportError:  # run from a checkout without `pip install -e .`
-    import sys
-
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import zeroray.train as zt
 from zeroray import ZeroConfig
 from zeroray.config_loader import load_config
 from zeroray.models.gpt import GPT, GPTConfig
+from zeroray.storage import StorageError
 from zeroray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, ZeroTrainer
-from zeroray.train.cluster import ensure_ray, started_here
+from zeroray.train.storage import RunStorage
 
 DATA = Path(__file__).resolve().parent / "data" / "corpus.txt"
+BETAS, EPS, WEIGHT_DECAY = (0.9, 0.95), 1e-8, 0.1  # this script's AdamW (a DeepSpeed config's "auto"s read them)
 
 
 def get_batch(data: torch.Tensor, batch: int, block: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,6 +75,15 @@ def lr_at(step: int, cfg: dict[str, Any]) -> float:
     return lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
+def gpt_config(config: dict[str, Any]) -> GPTConfig:
+    return GPTConfig(vocab_size=256, block_size=config["block"], n_layer=config["n_layer"],
+                     n_head=config["n_head"], n_embd=config["n_embd"])
+
+
+def adamw(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=lr, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+
+
 @torch.no_grad()
 def sample(engine: Any, prompt: bytes, n: int, block: int, device: torch.device) -> str:
     """Greedy-ish sampling; every rank runs it (ZeRO-3 gathers weights collectively) with one seed."""
@@ -89,10 +105,9 @@ def train_loop(config: dict[str, Any]) -> None:
     train_data, val_data = data[:-n_val], data[-n_val:]
 
     torch.manual_seed(1337)  # same initial weights on every rank
-    model = GPT(GPTConfig(vocab_size=256, block_size=config["block"], n_layer=config["n_layer"],
-                          n_head=config["n_head"], n_embd=config["n_embd"]))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config["lr"], betas=(0.9, 0.95), weight_decay=0.1)
-    engine = zt.prepare(model, optimizer)
+    model = GPT(gpt_config(config))
+    # A DeepSpeed config's optimizer block builds the optimizer (zt.prepare with None), as DeepSpeed does.
+    engine = zt.prepare(model, None if config["config_optimizer"] else adamw(model, config["lr"]))
     device = ctx.get_device()
     if ctx.get_world_rank() == 0:
         print(f"GPT with {model.num_params() / 1e6:.2f}M parameters, ZeRO stage {engine.stage}, "
@@ -103,8 +118,10 @@ def train_loop(config: dict[str, Any]) -> None:
     batch, block = config["batch"], config["block"]
     while engine.global_step < config["steps"]:
         step = engine.global_step
-        for group in engine.optimizer.param_groups:
-            group["lr"] = lr_at(step, config)
+        if not config["config_schedule"]:  # else the config's schedule, stepped by the engine
+            for group in engine.optimizer.param_groups:
+                group["lr"] = lr_at(step, config)
+        lr = engine.optimizer.param_groups[0]["lr"]  # the one this step uses
         if config["elastic"]:  # this group's share of the step's global batch
             x, y = windows_at(train_data, ctx.sample_indices(step, engine.micro_step % engine.gradient_accumulation_steps), block)
         else:
@@ -114,7 +131,7 @@ def train_loop(config: dict[str, Any]) -> None:
         engine.step()
         if engine.global_step == step:  # inside a gradient-accumulation cycle
             continue
-        metrics = {"loss": loss.item(), "lr": lr_at(step, config)}
+        metrics = {"loss": loss.item(), "lr": lr}
         evaluate = engine.global_step % config["eval_every"] == 0 or engine.global_step == config["steps"]
         if evaluate:
             model.eval()
@@ -141,9 +158,48 @@ def workers_arg(text: str) -> tuple[int, int]:
     return bounds
 
 
+class Parser(argparse.ArgumentParser):
+    """A bad argument is one line on stderr and exit 2, as the ``zeroray`` CLI."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())}\n")
+
+
+def zero_config(args: argparse.Namespace, model_cfg: dict[str, Any], elastic: bool, hi: int) -> ZeroConfig:
+    """The run's ZeroConfig, every "auto" resolved (the ranks get it as it is and resolve nothing)."""
+    if args.deepspeed_config:
+        with torch.device("meta"):  # the model's shape and this script's AdamW, for the "auto"s; no memory
+            model = GPT(gpt_config(model_cfg))
+        zero = load_config(args.deepspeed_config, model=model, optimizer=adamw(model, args.lr))
+        if args.stage is not None:
+            zero = dataclasses.replace(zero, stage=args.stage)
+    else:
+        zero = ZeroConfig(stage=3 if args.stage is None else args.stage, gradient_clipping=args.grad_clip)
+    if zero.train_micro_batch_size_per_gpu is None and zero.train_batch_size is None:
+        # Elastic: the global batch stays --batch x MAX; each size splits it (only sizes that divide it run).
+        zero = dataclasses.replace(zero, **({"train_batch_size": args.batch * hi} if elastic
+                                            else {"train_micro_batch_size_per_gpu": args.batch}))
+    return zero
+
+
+def describe(zero: ZeroConfig, args: argparse.Namespace) -> str:
+    """Where the optimizer and the learning rate come from, said once before the run."""
+    opt = (f"the DeepSpeed config's {zero.optimizer['type']} {zero.optimizer.get('params', {})}" if zero.optimizer
+           else f"AdamW (lr {args.lr:g}, betas {BETAS}, weight decay {WEIGHT_DECAY})")
+    sched = (f"the DeepSpeed config's {zero.scheduler['type']} {zero.scheduler.get('params', {})}" if zero.scheduler
+             else "linear warm-up, then cosine decay to a tenth")
+    return f"optimizer: {opt}; learning rate: {sched}; gradient clipping: {zero.gradient_clipping or 'off'}"
+
+
+def fail(p: argparse.ArgumentParser, e: BaseException) -> NoReturn:
+    """One line on stderr, exit 2 (a config error listing several problems is joined onto it)."""
+    p.exit(2, f"{p.prog}: error: {' '.join(str(e).split())}\n")
+
+
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--stage", type=int, default=None, help="ZeRO stage 0-3 (default 3, or the DeepSpeed config's)")
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--stage", type=int, choices=range(4), default=None,
+                   help="ZeRO stage 0-3 (default 3, or the DeepSpeed config's)")
     p.add_argument("--workers", type=workers_arg, default=(2, 2),
                    help="ranks, one Ray actor each (one CPU each); MIN-MAX for an elastic run")
     p.add_argument("--resize-check", type=float, default=60.0,
@@ -154,7 +210,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=150, help="optimizer steps (the run's total, across resumes)")
     p.add_argument("--storage-path", default=str(Path.home() / "zeroray_results"), help="any fsspec URL")
     p.add_argument("--name", default=None, help="run name (default: gpt-<time>)")
-    p.add_argument("--deepspeed-config", default=None, help="a DeepSpeed JSON config (its ZeRO settings are used)")
+    p.add_argument("--deepspeed-config", default=None,
+                   help="a DeepSpeed JSON config, run as written (its optimizer, schedule, clipping, ZeRO settings)")
     p.add_argument("--data", default=str(DATA), help="a text file to learn")
     p.add_argument("--batch", type=int, default=8, help="micro-batch per rank")
     p.add_argument("--block", type=int, default=128, help="context length in bytes")
@@ -162,15 +219,53 @@ def main() -> None:
     p.add_argument("--n-embd", type=int, default=256)
     p.add_argument("--n-head", type=int, default=4)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--grad-clip", type=float, default=1.0,
+                   help="clip the global gradient norm to this (0 = off; a DeepSpeed config's gradient_clipping wins)")
     p.add_argument("--use-gpu", "--gpu", action="store_true", help="one GPU per worker, NCCL")
     p.add_argument("--max-failures", type=int, default=0)
     args = p.parse_args()
     lo, hi = args.workers
+    elastic = lo < hi
     if args.steps < 0:
         p.error("--steps must be >= 0")
     if args.num_cpus is not None and (args.num_cpus < 1 or os.environ.get("RAY_ADDRESS")):
         p.error("--num-cpus (>= 1) sizes the embedded Ray cluster; with RAY_ADDRESS set the cluster is given")
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # zeroray's progress and resume lines
+    # Everything is checked before Ray starts (25-60 s): a bad argument, config or storage is one line.
+    try:
+        text = Path(args.data).read_bytes()
+        if len(text) // 10 <= args.block + 1:
+            raise ValueError(f"--data {args.data} has {len(text)} bytes; a --block of {args.block} needs "
+                             f"more than {10 * (args.block + 2)} (a tenth is held out for validation)")
+        model_cfg = {"block": args.block, "n_layer": args.n_layer, "n_embd": args.n_embd, "n_head": args.n_head}
+        gpt_config(model_cfg)
+        zero = zero_config(args, model_cfg, elastic, hi)
+        micro = args.batch if elastic else zero.resolve_batch(lo).train_micro_batch_size_per_gpu or args.batch
+        name = args.name or "gpt-" + time.strftime("%Y%m%d-%H%M%S")
+        trainer = ZeroTrainer(
+            train_loop,
+            train_loop_config={
+                "text": text, "steps": args.steps, "batch": micro, **model_cfg, "lr": args.lr,
+                "warmup": max(1, args.steps // 15), "eval_every": max(1, args.steps // 6), "elastic": elastic,
+                "config_optimizer": zero.optimizer is not None, "config_schedule": zero.scheduler is not None,
+            },
+            zero_config=zero,
+            scaling_config=ScalingConfig(num_workers=(lo, hi) if elastic else lo, use_gpu=args.use_gpu,
+                                         elastic_resize_monitor_interval_s=args.resize_check),
+            run_config=RunConfig(
+                name=name,
+                storage_path=args.storage_path,
+                failure_config=FailureConfig(max_failures=args.max_failures),
+                checkpoint_config=CheckpointConfig(num_to_keep=2),
+            ),
+        )
+        RunStorage(args.storage_path, name).validate(processes=hi + 1)  # every rank, and this driver
+    except (OSError, ValueError, TypeError, StorageError) as e:
+        fail(p, e)
+    logging.getLogger("zeroray").info("%s", describe(zero, args))
+
+    from zeroray.train.cluster import ensure_ray, started_here  # imports Ray: only once everything is checked
+
     ensure_ray(num_cpus=args.num_cpus)
     import ray
 
@@ -179,36 +274,6 @@ def main() -> None:
         p.error(f"--workers {lo} needs {lo} CPUs (one per rank) but the Ray cluster started "
                 f"here has {cpus:g}: pass --num-cpus {lo} to share the cores (slower), or fewer --workers")
 
-    if args.deepspeed_config:
-        zero = load_config(args.deepspeed_config, defer=True)
-        if args.stage is not None:
-            zero = dataclasses.replace(zero, stage=args.stage)
-    else:
-        zero = ZeroConfig(stage=3 if args.stage is None else args.stage)
-    elastic = lo < hi
-    if zero.train_micro_batch_size_per_gpu is None and zero.train_batch_size is None:
-        # Elastic: the global batch stays --batch x MAX; each size splits it (only sizes that divide it run).
-        zero = dataclasses.replace(zero, **({"train_batch_size": args.batch * hi} if elastic
-                                            else {"train_micro_batch_size_per_gpu": args.batch}))
-    micro = args.batch if elastic else zero.resolve_batch(lo).train_micro_batch_size_per_gpu or args.batch
-
-    trainer = ZeroTrainer(
-        train_loop,
-        train_loop_config={
-            "text": Path(args.data).read_bytes(), "steps": args.steps, "batch": micro, "block": args.block,
-            "n_layer": args.n_layer, "n_embd": args.n_embd, "n_head": args.n_head, "lr": args.lr,
-            "warmup": max(1, args.steps // 15), "eval_every": max(1, args.steps // 6), "elastic": elastic,
-        },
-        zero_config=zero,
-        scaling_config=ScalingConfig(num_workers=(lo, hi) if elastic else lo, use_gpu=args.use_gpu,
-                                     elastic_resize_monitor_interval_s=args.resize_check),
-        run_config=RunConfig(
-            name=args.name or "gpt-" + time.strftime("%Y%m%d-%H%M%S"),
-            storage_path=args.storage_path,
-            failure_config=FailureConfig(max_failures=args.max_failures),
-            checkpoint_config=CheckpointConfig(num_to_keep=2),
-        ),
-    )
     result = trainer.fit()
 
     history = [h for h in result.metrics_history if "loss" in h]

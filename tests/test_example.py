@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -13,6 +14,16 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+HF_ZERO3 = ROOT / "tests" / "data" / "hf_deepspeed" / "ds_config_zero3.json"
+# Runs the example and then says on stdout whether it imported Ray (it starts Ray only after every check).
+_RAY_PROBE = (
+    "import runpy, sys\n"
+    "sys.argv = sys.argv[1:]\n"
+    "try:\n"
+    "    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+    "finally:\n"
+    "    print('ray imported:', 'ray' in sys.modules)\n"
+)
 
 
 def _run(tmp_path: Path, *args: str, returncode: int = 0, address: str | None = None) -> subprocess.CompletedProcess:
@@ -41,12 +52,12 @@ def test_train_gpt_trains_checkpoints_and_resumes(tmp_path: Path, ray_cluster: d
     assert "resuming from checkpoint_6 (written at world 2, stage 3)" in done.stderr
 
     # Resumed past --steps, on a running cluster (RAY_ADDRESS): nothing to train, said so (not an
-    # IndexError); the history keeps every fit's lines.
+    # IndexError); the history keeps every fit's lines, and this one, with no step, adds none.
     done = _run(tmp_path, "--steps", "5", address=ray_cluster["address"])
     assert "no training step: the run is at step 8 and --steps is 5" in done.stdout, done.stderr[-3000:]
     assert "Traceback" not in done.stderr
     lines = (tmp_path / "smoke" / "metrics.jsonl").read_text().splitlines()
-    assert len(lines) == 6 + 1 + 2 + 1 + 1  # 6 steps + sample, 2 steps + sample, sample
+    assert len(lines) == 6 + 1 + 2 + 1  # 6 steps + sample, 2 steps + sample; the sample of no step: none
 
 
 def test_train_gpt_refuses_bad_workers_before_starting(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -66,6 +77,59 @@ def test_train_gpt_refuses_bad_workers_before_starting(tmp_path: Path, monkeypat
     done = _run(tmp_path, "--workers", workers, "--steps", "1", returncode=2)
     assert f"--workers {workers} needs {workers} CPUs" in done.stderr and f"--num-cpus {workers}" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_train_gpt_refuses_bad_input_in_one_line_before_ray(tmp_path: Path) -> None:
+    """A bad stage, config file, config key, storage path or data file: one line on stderr, exit 2, and
+    Ray never imported (so never started: that takes 25-60 s)."""
+    typo = tmp_path / "typo.json"
+    typo.write_text(json.dumps({"zero_optimization": {"stgae": 3}, "optimizer": {"type": "AdamW",
+                                                                                  "params": {"betass": [0.9, 0.9]}}}))
+    (tmp_path / "a-file").write_text("not a directory")
+    cases = [
+        (["--stage", "7"], "argument --stage: invalid choice: 7 (choose from 0, 1, 2, 3)"),
+        (["--deepspeed-config", str(tmp_path / "missing.json")], "DeepSpeed config file not found: "),
+        (["--deepspeed-config", str(typo)],
+         "2 problems in the DeepSpeed config (all of them): - unknown DeepSpeed config key 'zero_optimization.stgae'; "
+         "did you mean 'stage'? - DeepSpeed config key 'optimizer.params.betass': is not a parameter"),
+        (["--storage-path", str(tmp_path / "a-file" / "runs")], "RunConfig.storage_path "),
+        (["--storage-path", "memory://runs"], "is process-local storage"),
+        (["--data", str(tmp_path / "typo.json")], "a --block of 128 needs more than 1300"),
+        (["--n-embd", "30"], "n_embd (30) must be divisible by n_head (4)"),
+    ]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    for args, message in cases:
+        cmd = [sys.executable, "-c", _RAY_PROBE, str(ROOT / "examples" / "train_gpt.py"), "--name", "bad", *args]
+        done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2, (args, done.stderr[-3000:])
+        assert done.stderr.count("\n") == 1 and done.stderr.startswith("train_gpt.py: error: "), (args, done.stderr)
+        assert message in done.stderr, (args, done.stderr)
+        assert done.stdout.splitlines()[-1] == "ray imported: False", (args, done.stdout)
+
+
+def test_train_gpt_runs_a_stock_hf_deepspeed_config_as_written(tmp_path: Path) -> None:
+    """HF's ZeRO-3 JSON ("auto" nearly everywhere, the bf16 block of HF's docs added): every "auto" resolved
+    and logged once, on the driver, before the run, as HF's Trainer with no flags; its WarmupLR sets the
+    learning rate (0 warm-up steps: DeepSpeed's two steps at warmup_min_lr, then warmup_max_lr = --lr); its
+    AdamW block builds the optimizer; no UserWarning, no "optimizer block ignored"."""
+    config = tmp_path / "zero3.json"
+    config.write_text(json.dumps({**json.loads(HF_ZERO3.read_text()), "bf16": {"enabled": "auto"}}))
+    done = _run(tmp_path, "--steps", "4", "--lr", "0.002", "--deepspeed-config", str(config))
+    err = done.stderr
+    for line in (
+        "resolved 'zero_optimization.reduce_bucket_size': auto -> 1024 (hidden_size 32 squared, as HF)",
+        "resolved 'zero_optimization.stage3_prefetch_bucket_size': auto -> 921 (0.9 x hidden_size 32 squared, as HF)",
+        "resolved 'fp16.enabled': auto -> false (HF's Trainer without --fp16)",
+        "resolved 'bf16.enabled': auto -> false (HF's Trainer without --bf16)",
+        "resolved 'scheduler.params.warmup_num_steps': auto -> 0 (HF's Trainer without --warmup_steps or --warmup_ratio)",
+        "resolved 'scheduler.params.warmup_max_lr': auto -> 0.002 (the lr of the AdamW passed to initialize, as HF's learning_rate)",
+        "zeroray ignores DeepSpeed config key 'steps_per_print': ",
+    ):
+        assert err.count(line) == 1, (line, err[-5000:])  # once: the driver's, not once per rank
+    assert "optimizer: the DeepSpeed config's AdamW" in err and "learning rate: the DeepSpeed config's WarmupLR" in err
+    assert "UserWarning" not in err and "is ignored" not in err and "Traceback" not in err
+    history = [json.loads(x) for x in (tmp_path / "smoke" / "metrics.jsonl").read_text().splitlines()]
+    assert [h["lr"] for h in history if "loss" in h] == [0.0, 0.0, 0.002, 0.002]
 
 
 def test_finetune_hf_loads_pretrained_into_shards_and_exports_for_transformers(tmp_path: Path) -> None:

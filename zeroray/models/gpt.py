@@ -32,6 +32,11 @@ class GPTConfig:
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
 
+    @property
+    def hidden_size(self) -> int:
+        """``n_embd`` under Hugging Face's name (as GPT2Config maps it), which HF-style "auto" bucket sizes read."""
+        return self.n_embd
+
     def num_params(self) -> int:
         """Parameter count of :class:`GPT` with this config, without building it."""
         d, L, b = self.n_embd, self.n_layer, int(self.bias)
