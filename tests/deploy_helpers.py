@@ -58,7 +58,8 @@ def pod_specs(spec: dict[str, Any]) -> list[dict[str, Any]]:
     return [spec["headGroupSpec"]["template"]["spec"]] + [g["template"]["spec"] for g in spec.get("workerGroupSpecs", [])]
 
 
-# What the shim records: every `ray` call of one command, as {"argv": [...], "env": {...}} lines.
+# Launcher YAMLs: what their start commands hand `ray start`. The shim stands in for `ray` on PATH and
+# records every call of one command, as {"argv": [...], "env": {...}} lines.
 SHIM = """#!/bin/sh
 exec "{python}" -c 'import json, os, sys
 with open(os.environ["ZR_CAPTURE"], "a") as f:

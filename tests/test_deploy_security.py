@@ -49,6 +49,8 @@ from tests.test_deploy_autoscale import MARKER, end_processes
 RAY_PORTS = {6379: "GCS", 8265: "dashboard", 10001: "Ray Client"}
 TOKEN_PATH = "~/.ray/auth_token"  # where `ray get-auth-token --generate` writes it, and where Ray reads it
 LOCALHOST = {"127.0.0.1", "localhost"}
+
+
 # ----------------------------------------------------------------------------------------------------
 # Launcher YAMLs
 
