@@ -103,3 +103,16 @@ def test_optimizer_block_ignored_when_an_optimizer_is_passed_warns() -> None:
         warnings.simplefilter("error")
         zeroray.initialize(nn.Linear(3, 3), None, cfg)
         zeroray.initialize(model := nn.Linear(3, 3), torch.optim.SGD(model.parameters(), lr=0.5), {})
+
+
+def _warnings_per_rank(rank: int, world: int) -> int:
+    model = nn.Linear(3, 3)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        engine = zeroray.initialize(model, torch.optim.SGD(model.parameters(), lr=0.5), {"optimizer": {"type": "AdamW"}})
+    engine.close()
+    return sum("'optimizer' block" in str(w.message) for w in rec)
+
+
+def test_the_ignored_optimizer_block_is_said_once_for_all_ranks() -> None:
+    assert run_ranks(_warnings_per_rank, 2) == [1, 0]

@@ -161,7 +161,7 @@ class ZeroEngine:
                 "init_fn was given but no parameter or buffer of the model is on the meta device; build the "
                 "model under `with torch.device('meta'):` or leave init_fn out"
             )
-        template = template_optimizer(model, optimizer, config)
+        template = template_optimizer(model, optimizer, config, warn=process_group is None or dist.get_rank(process_group) == 0)
         group_of = param_group_index(model, template)
         if lr_scheduler is not None and not callable(lr_scheduler):
             raise TypeError("lr_scheduler must be a callable optimizer -> scheduler")

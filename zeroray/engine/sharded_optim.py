@@ -39,8 +39,10 @@ OptimizerArg = torch.optim.Optimizer | Callable[[list[nn.Parameter]], torch.opti
 ShardFill = Callable[[list[tuple[FlatGroup, str, int, int, torch.Tensor]]], None]
 
 
-def template_optimizer(model: nn.Module, optimizer: OptimizerArg, config: ZeroConfig) -> torch.optim.Optimizer:
-    """The optimizer over the model's parameters whose shape zeroray reproduces over the shards."""
+def template_optimizer(model: nn.Module, optimizer: OptimizerArg, config: ZeroConfig, *, warn: bool = True
+                       ) -> torch.optim.Optimizer:
+    """The optimizer over the model's parameters whose shape zeroray reproduces over the shards;
+    ``warn``: say that a config's optimizer block is ignored (one rank says it for all)."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     if optimizer is None:
         if config.optimizer is None:
@@ -70,7 +72,7 @@ def template_optimizer(model: nn.Module, optimizer: OptimizerArg, config: ZeroCo
             f"the optimizer holds {len(foreign)} parameter(s) that are not parameters of the model "
             f"(shapes {shapes}); build it over model.parameters()"
         )
-    if optimizer is not None and config.optimizer is not None:
+    if warn and optimizer is not None and config.optimizer is not None:
         # DeepSpeed logs "Using client Optimizer" here; a silent choice would hide a block that does nothing.
         warnings.warn(
             f"zeroray: the config's 'optimizer' block ({config.optimizer.get('type')!r}) is ignored: "
