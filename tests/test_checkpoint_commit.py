@@ -19,7 +19,7 @@ import zeroray.checkpoint as zc
 from tests.checkpoint_helpers import assemble, assert_same, make_engine, snapshot, train
 from tests.models import batches
 from zeroray.checkpoint import commit as protocol
-from zeroray.checkpoint.manifest import FORMAT, MANIFEST, FileEntry, part_file, rank_file
+from zeroray.checkpoint.manifest import FORMAT, MANIFEST, FileEntry, file_digest, part_file, rank_file
 from zeroray.cli import main
 from zeroray.train.checkpoint_manager import Checkpoint, latest_checkpoint
 
@@ -142,7 +142,7 @@ def test_marker_seen_before_its_content_is_not_there_yet(tmp_path: Path) -> None
     that creates it before writing it) counts as not there yet, never as an error."""
     fs, path = LocalFileSystem(), tmp_path / "checkpoint_1"
     path.mkdir()
-    entries = [FileEntry(rank_file(r), r, 0, "crc32c", 4 << 20, [], "", []) for r in (0, 1)]
+    entries = [FileEntry(rank_file(r), r, 0, "crc32c", 4 << 20, [], file_digest([]), []) for r in (0, 1)]
     protocol.write_marker(fs, str(path), 0, entries[0])
     for torn in (b"", b'{"file": '):
         (path / part_file(1)).write_bytes(torn)  # created, not (fully) written yet

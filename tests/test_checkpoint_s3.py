@@ -24,10 +24,11 @@ def _worker(rank: int, world: int, run: str, options: dict[str, Any]) -> dict:
     saver = zc.AsyncSaver(engine)
     saver.save(zc.checkpoint_url(run, 2), storage_options=options)
     train(engine, batches(rank + 10, 1))
-    saver.wait()
+    saver.wait()  # committed on every rank
+    url = zc.latest_committed(run, options, engine=engine)  # one answer for every rank
     engine.close()
     fresh = make_engine(2, seed=1)
-    zc.load(fresh, zc.latest_committed(run, options), storage_options=options)
+    zc.load(fresh, url, storage_options=options)
     return {"saved": saved, "loaded": snapshot(fresh)}
 
 

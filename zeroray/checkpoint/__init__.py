@@ -4,8 +4,9 @@ Engine level (collectives, every rank calls them)::
 
     zeroray.checkpoint.save(engine, "s3://bucket/run/checkpoint_100")          # sync
     saver = zeroray.checkpoint.AsyncSaver(engine)                               # async: keep it
-    saver.save("s3://bucket/run/checkpoint_200"); ...; saver.wait()
-    zeroray.checkpoint.load(engine, zeroray.checkpoint.latest_committed("s3://bucket/run"))
+    saver.save("s3://bucket/run/checkpoint_200"); ...; saver.wait()                # every rank: committed
+    url = zeroray.checkpoint.latest_committed("s3://bucket/run", engine=engine)     # one answer for all ranks
+    zeroray.checkpoint.load(engine, url)
 
 See docs/checkpoints.md for the format and its guarantees.
 """

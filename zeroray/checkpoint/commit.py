@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import posixpath
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -54,11 +55,15 @@ def _read_marker(fs: AbstractFileSystem, mpath: str) -> dict[str, Any] | None:
     return marker if isinstance(marker, dict) and ("file" in marker or "error" in marker) else None
 
 
-def await_markers(fs: AbstractFileSystem, path: str, url: str, world: int, timeout: float) -> list[FileEntry]:
-    """Rank 0: poll storage until every rank's marker parses; raise on a rank's error marker."""
+def await_markers(
+    fs: AbstractFileSystem, path: str, url: str, world: int, timeout: float, cancel: threading.Event | None = None
+) -> list[FileEntry]:
+    """Rank 0: poll storage until every rank's marker parses; raise on a rank's error marker, or once
+    ``cancel`` is set (the ranks agreed that one failed)."""
     names = [part_file(r) for r in range(world)]
     markers: dict[int, dict[str, Any]] = {}
     deadline, delay = time.monotonic() + timeout, 0.01
+    stop = cancel or threading.Event()
     while True:
         fs.invalidate_cache(path)
         try:
@@ -75,7 +80,8 @@ def await_markers(fs: AbstractFileSystem, path: str, url: str, world: int, timeo
         if time.monotonic() > deadline:
             missing = [r for r in range(world) if r not in markers]
             raise CheckpointError(f"ranks {missing} did not finish writing {url} within {timeout:.0f} s")
-        time.sleep(delay)
+        if stop.wait(delay):
+            raise CheckpointError(f"gave up committing {url}: another rank's write failed")
         delay = min(2 * delay, _POLL_MAX_S)
     failed = [f"rank {r}: {markers[r]['error']}" for r in range(world) if "error" in markers[r]]
     if failed:
@@ -83,9 +89,12 @@ def await_markers(fs: AbstractFileSystem, path: str, url: str, world: int, timeo
     return [FileEntry.from_json(markers[r]["file"]) for r in range(world)]
 
 
-def commit(fs: AbstractFileSystem, path: str, url: str, manifest: Manifest, timeout: float) -> None:
+def commit(
+    fs: AbstractFileSystem, path: str, url: str, manifest: Manifest, timeout: float,
+    cancel: threading.Event | None = None,
+) -> None:
     """Rank 0: wait for every rank's marker, write the manifest atomically, delete the markers."""
-    manifest.files = await_markers(fs, path, url, manifest.world_size, timeout)
+    manifest.files = await_markers(fs, path, url, manifest.world_size, timeout, cancel)
     atomic_write(fs, posixpath.join(path, MANIFEST), dump_manifest(manifest))
     fs.rm([posixpath.join(path, part_file(r)) for r in range(manifest.world_size)])
 
@@ -99,9 +108,14 @@ def attempt(fn: Callable[[], None]) -> str | None:
     return None
 
 
-def agree(comm: Comm, error: str | None, what: str) -> None:
-    """Collective: raise on every rank if ``what`` failed on any rank."""
-    errors = comm.all_gather_object(error)
+def agree(comm: Comm, error: str | BaseException | None, what: str) -> None:
+    """Collective: raise on every rank if ``what`` failed on any rank, so no rank goes on into a
+    collective the others never reach. ``error``: this rank's failure as one line, or the exception
+    itself, which this rank then re-raises as it is (the others name it in a CheckpointError)."""
+    line = error if error is None or isinstance(error, str) else f"{type(error).__name__}: {error}"
+    errors = comm.all_gather_object(line)
+    if isinstance(error, BaseException):
+        raise error
     failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
     if failed:
         raise CheckpointError(f"{what} failed: " + "; ".join(failed))

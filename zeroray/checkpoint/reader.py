@@ -21,16 +21,17 @@ from __future__ import annotations
 import os
 import posixpath
 from collections import defaultdict, deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import islice
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 from fsspec.implementations.local import LocalFileSystem
 
+from zeroray.checkpoint.commit import agree
 from zeroray.checkpoint.manifest import (
     DTYPES,
     CheckpointError,
@@ -45,12 +46,13 @@ from zeroray.checkpoint.manifest import (
     verify_chunks,
 )
 from zeroray.checkpoint.storage import join_url, open_url, read_manifest
-from zeroray.engine import ZeroEngine, layout
+from zeroray.engine import Comm, ZeroEngine, layout
 from zeroray.engine.engine import GroupSource, ShardRange
 
 _MAX_RUN = 64 << 20  # bytes per range read
 _INFLIGHT = 4  # range reads in flight at once
 _IOV_MAX = 1024  # buffers per preadv call (Linux's IOV_MAX)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -294,43 +296,77 @@ def load(engine: ZeroEngine, url: str, *, storage_options: dict[str, Any] | None
 
     Restores weights, optimizer states, counters, loss scale, LR scheduler and the model's buffers.
     Per-rank RNG state is restored at the world size that saved it; at another world size each rank
-    is reseeded with ``(global_step << 16) + rank`` instead. Returns the manifest. (Join your
+    is reseeded with ``(global_step << 16) + rank`` instead. Returns the manifest. (Wait for your
     :class:`~zeroray.checkpoint.AsyncSaver` first if it may still be writing this checkpoint.)
+
+    Every rank must ask for the same ``url`` (checked first; resolve "the newest" once for all with
+    ``latest_committed(run, engine=engine)``). The ranks agree after the manifest and after every
+    read: where one rank fails (its store unreachable), it raises its error and every other rank a
+    :class:`CheckpointError` naming it, at once, rather than waiting in a collective.
 
     The shards are read into destinations the engine hands out (:meth:`ZeroEngine.load_shard_stream`):
     whole tensors when its states live in memory, one sub-group's swap buffer at a time with NVMe
     offload, so a load never holds the whole state in host memory there.
     """
-    ckpt = CheckpointReader(url, storage_options)
+    comm = engine.comm
+    asked = comm.all_gather_object(url)
+    if len(set(asked)) > 1:
+        by_url: dict[str, list[int]] = defaultdict(list)
+        for r, u in enumerate(asked):
+            by_url[str(u)].append(r)
+        named = "; ".join(f"ranks {ranks}: {u}" for u, ranks in by_url.items())
+        raise CheckpointError(f"the ranks asked to load different checkpoints ({named}); every rank must load the "
+                              "same one: resolve it once with latest_committed(run_url, engine=engine)")
+    what = f"loading {url}"
     groups = {gs.name: gs for gs in engine.stream_shard_state()}
-    _check_names(ckpt, list(groups.values()))
-    keys = {name: _keys(ckpt, gs.slots, gs.param_group is not None) for name, gs in groups.items()}
-
-    same_world = ckpt.manifest.world_size == engine.world_size
-    requests: list[Request] = []
     rng: dict[str, torch.Tensor] = {}
-    for f, s in ckpt.sections("rng"):
-        if same_world and f.rank == engine.rank:
-            req, rng[s.key] = _raw_section(f, s)
-            requests.append(req)
-    buffers = dict(engine.module.named_buffers())
-    saved_buffers = []
-    for f, s in ckpt.sections("buffer"):
-        if s.name not in buffers or s.dtype not in DTYPES:
-            raise CheckpointError(f"{url}: buffer {s.name!r} ({s.dtype}) does not fit this model")
-        req, buf = _raw_section(f, s)
-        requests.append(req)
-        saved_buffers.append((s, buf))
-    ckpt.read(requests)
+    saved_buffers: list[tuple[SectionEntry, torch.Tensor]] = []
 
-    def fill(ranges: list[ShardRange]) -> None:
+    def first() -> tuple[CheckpointReader, dict[str, list[str]]]:
+        """The manifest, checked against the model, and the small sections (RNG, buffers), read."""
+        ckpt = CheckpointReader(url, storage_options)
+        _check_names(ckpt, list(groups.values()))
+        keys = {name: _keys(ckpt, gs.slots, gs.param_group is not None) for name, gs in groups.items()}
+        requests: list[Request] = []
+        for f, s in ckpt.sections("rng"):
+            if ckpt.manifest.world_size == engine.world_size and f.rank == engine.rank:
+                req, rng[s.key] = _raw_section(f, s)
+                requests.append(req)
+        buffers = dict(engine.module.named_buffers())
+        for f, s in ckpt.sections("buffer"):
+            if s.name not in buffers or s.dtype not in DTYPES:
+                raise CheckpointError(f"{url}: buffer {s.name!r} ({s.dtype}) does not fit this model")
+            req, buf = _raw_section(f, s)
+            requests.append(req)
+            saved_buffers.append((s, buf))
+        ckpt.read(requests)
+        return ckpt, keys
+
+    ckpt, keys = _agreed(comm, what, first)
+    same_world = ckpt.manifest.world_size == engine.world_size
+
+    def read(ranges: list[ShardRange]) -> None:
         ckpt.read([req for r in ranges for req in _shard_requests(ckpt, groups[r.group], r)])
+
+    def fill(ranges: list[ShardRange]) -> None:  # the engine calls it as often on every rank
+        _agreed(comm, what, lambda: read(ranges))
 
     saved = {s.name: buf.view(DTYPES[s.dtype]).reshape(s.shape) for s, buf in saved_buffers}
     engine.load_shard_stream(keys, fill, ckpt.manifest.meta)  # in memory: a failed read changes nothing
     _install_buffers(engine, saved)
     _set_rng(engine, ckpt.manifest.meta, rng if same_world else None)
     return ckpt.manifest
+
+
+def _agreed(comm: Comm, what: str, fn: Callable[[], T]) -> T:
+    """Collective: ``fn()``, then agree (:func:`~zeroray.checkpoint.commit.agree`) that it worked on every rank."""
+    result, error = None, None
+    try:
+        result = fn()
+    except Exception as e:  # every rank must reach the agreement, or the others wait in a collective
+        error = e
+    agree(comm, error, what)
+    return result
 
 
 def _shard_requests(ckpt: CheckpointReader, gs: GroupSource, r: ShardRange) -> list[Request]:

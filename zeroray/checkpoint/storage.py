@@ -15,11 +15,12 @@ from __future__ import annotations
 import posixpath
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fsspec import AbstractFileSystem
 
 from zeroray import storage
+from zeroray.checkpoint.commit import agree
 from zeroray.checkpoint.manifest import (
     MANIFEST,
     CheckpointError,
@@ -27,6 +28,9 @@ from zeroray.checkpoint.manifest import (
     Manifest,
     parse_manifest,
 )
+
+if TYPE_CHECKING:
+    from zeroray.engine import ZeroEngine
 
 _CKPT = re.compile(r"^checkpoint_(\d+)$")
 join_url = storage.join_url
@@ -140,11 +144,31 @@ def list_checkpoints(
     return infos
 
 
-def latest_valid(run_url: str, storage_options: dict[str, Any] | None = None) -> CheckpointInfo | None:
+def latest_valid(
+    run_url: str, storage_options: dict[str, Any] | None = None, *, engine: ZeroEngine | None = None
+) -> CheckpointInfo | None:
     """The run's newest checkpoint whose manifest parses and whose files are all there, or None.
 
     Manifests are read newest first and only until one is valid, so a broken newest checkpoint
-    (torn manifest, lost rank file) falls back to the one before it."""
+    (torn manifest, lost rank file) falls back to the one before it.
+
+    With ``engine`` it is a collective of the engine's ranks, the one to call before a collective
+    ``load``: rank 0 looks, and every rank gets its answer or raises its error. Each rank looking for
+    itself could see another answer (a save committing, a store coming back from an outage) and
+    load another checkpoint, or go into the load alone."""
+    if engine is None:
+        return _latest_valid(run_url, storage_options)
+    info, error = None, None
+    if engine.rank == 0:
+        try:
+            info = _latest_valid(run_url, storage_options)
+        except Exception as e:
+            error = e
+    agree(engine.comm, error, f"finding the newest checkpoint of {run_url} (on rank 0)")
+    return engine.comm.broadcast_object(info)
+
+
+def _latest_valid(run_url: str, storage_options: dict[str, Any] | None) -> CheckpointInfo | None:
     fs, run_path = open_url(run_url, storage_options)
     for step, (path, files) in reversed(_scan(fs, run_path, run_url).items()):
         if MANIFEST in files:
@@ -154,9 +178,13 @@ def latest_valid(run_url: str, storage_options: dict[str, Any] | None = None) ->
     return None
 
 
-def latest_committed(run_url: str, storage_options: dict[str, Any] | None = None) -> str | None:
-    """URL of the run's newest valid committed checkpoint, or None: what a (re)started run loads."""
-    info = latest_valid(run_url, storage_options)
+def latest_committed(
+    run_url: str, storage_options: dict[str, Any] | None = None, *, engine: ZeroEngine | None = None
+) -> str | None:
+    """URL of the run's newest valid committed checkpoint, or None: what a (re)started run loads.
+    Pass the ``engine`` you load into (every rank calls it): one answer for every rank, see
+    :func:`latest_valid`."""
+    info = latest_valid(run_url, storage_options, engine=engine)
     return info.url if info is not None else None
 
 

@@ -16,8 +16,12 @@ A save, on every rank:
 commit. An :class:`AsyncSaver` — an object held by whoever saves (the trainer's checkpoint manager,
 or a user's loop) — first copies the sections into its reusable host buffer (pinned on GPU), the
 only stall, then runs 3-4 in a background thread; rank 0's thread polls storage for the markers, so
-no collective runs off the main thread. ``saver.wait()`` (or its next save) joins it; on rank 0
-that means committed. With NVMe offload the states are in swap files, not in memory: copying them
+no collective runs off the main thread. ``saver.wait()`` (or its next save, every rank) decides
+the save on the main thread, on every rank alike: each rank waits for its own file, the ranks agree
+whether every write succeeded (a collective; a rank's failure ends rank 0's polling at once, even
+where that rank's error marker could not reach storage), then rank 0 waits for its commit and tells
+the others its outcome. So it returns on every rank once committed, or raises the same error on
+every rank. With NVMe offload the states are in swap files, not in memory: copying them
 into a host buffer would hold the whole state there, so the saver copies the swap files on their
 disk (:meth:`ZeroEngine.copy_shard_state`) and the thread streams from that copy; where the disk
 has no room for one, this rank's file is streamed before ``save`` returns and only rank 0's commit
@@ -55,29 +59,65 @@ from zeroray.checkpoint.manifest import (
     rank_file,
 )
 from zeroray.checkpoint.storage import apply_retention, delete_checkpoint, open_url, parent_url
-from zeroray.engine import ZeroEngine
+from zeroray.engine import Comm, ZeroEngine
 from zeroray.engine.engine import ShardStateCopy
 
 _WRITE_STEP = 4 << 20  # bytes handed to f.write at a time, hashed meanwhile in another thread
 
 
 class SaveHandle:
-    """One rank's part of a save. ``wait()`` returns once this rank's file is written (rank 0: once
-    the checkpoint is committed) and raises what went wrong."""
+    """One save. ``wait()`` returns once the checkpoint is committed and raises what went wrong.
 
-    def __init__(self, url: str, thread: threading.Thread | None = None):
+    For an async save (``comm`` given) ``wait()`` is a collective, run once: every rank returns only
+    when the commit is decided, with the same outcome on every rank. Without a group to agree with
+    (none given, or the engine's group was given up after a failure) it joins this rank's thread,
+    as storage decides: rank 0's commit ends once every rank's marker, or an error marker, is there.
+    ``error``: this rank's own failure (its write, or rank 0's commit), or None."""
+
+    def __init__(self, url: str, thread: threading.Thread | None = None, *, comm: Comm | None = None):
         self.url = url
         self._thread = thread
+        self._comm = comm
         self.error: BaseException | None = None
+        self.write_error: BaseException | None = None  # this rank's file or marker could not be written
+        self.written = threading.Event()  # this rank's write is over (done or failed)
+        self.cancel = threading.Event()  # rank 0: stop waiting for markers, a rank's write failed
+        self._outcome: str | None = None  # the agreed failure, the same line on every rank
+        self._decided = False
 
     def done(self) -> bool:
         return self._thread is None or not self._thread.is_alive()
 
+    @property
+    def decided(self) -> bool:
+        """``wait()`` ran to its end here: the outcome is known (a collective that failed leaves it open)."""
+        return self._thread is None or self._decided
+
     def wait(self) -> None:
-        if self._thread is not None:
+        if self._thread is not None and not self._decided:
+            if self._comm is None or self._comm.aborted is not None:
+                self._thread.join()
+                self._outcome = None if self.error is None else f"{type(self.error).__name__}: {self.error}"
+            else:
+                self._outcome = self._decide(self._comm)
+            self._decided = True
+        if self._outcome is not None:
+            raise CheckpointError(f"saving {self.url} failed: {self._outcome}") from self.error
+
+    def _decide(self, comm: Comm) -> str | None:
+        """Collective: agree on every rank's write, then on rank 0's commit; the failure, or None."""
+        self.written.wait()
+        mine = self.write_error
+        writes = comm.all_gather_object(None if mine is None else f"{type(mine).__name__}: {mine}")
+        failed = [f"rank {r}: {e}" for r, e in enumerate(writes) if e]
+        if failed:
+            self.cancel.set()  # rank 0's commit stops polling for a marker that may never come
             self._thread.join()
-        if self.error is not None:
-            raise CheckpointError(f"saving {self.url} failed: {self.error}") from self.error
+            return "; ".join(failed)
+        self._thread.join()  # rank 0: the commit, every marker being written; elsewhere: done already
+        error = self.error
+        committed = comm.broadcast_object(None if error is None else f"{type(error).__name__}: {error}")
+        return None if committed is None else f"rank 0: {committed}"
 
 
 @dataclass
@@ -210,8 +250,8 @@ class _Commit:
     storage_options: dict[str, Any] | None
     timeout: float
 
-    def run(self, fs: AbstractFileSystem, path: str, url: str) -> None:
-        protocol.commit(fs, path, url, self.manifest, self.timeout)
+    def run(self, fs: AbstractFileSystem, path: str, url: str, cancel: threading.Event | None = None) -> None:
+        protocol.commit(fs, path, url, self.manifest, self.timeout, cancel)
         if self.num_to_keep is not None:
             apply_retention(self.run_url, self.num_to_keep, self.storage_options)
 
@@ -224,13 +264,13 @@ def _prepare_dir(fs: AbstractFileSystem, path: str) -> None:
 
 
 def _start(
-    engine: ZeroEngine, url: str, previous: str | None, storage_options: dict[str, Any] | None,
-    num_to_keep: int | None, commit_timeout: float,
+    engine: ZeroEngine, url: str, storage_options: dict[str, Any] | None, num_to_keep: int | None,
+    commit_timeout: float,
 ) -> tuple[AbstractFileSystem, str, list[_Section], _Commit | None]:
     """Collective: open and prepare the directory, agree, and plan this rank's file."""
     fs, path = open_url(url, storage_options)
-    ready = previous or (attempt(lambda: _prepare_dir(fs, path)) if engine.rank == 0 else None)
-    agree(engine.comm, ready, f"preparing the save to {url} (or the previous async save)")
+    ready = attempt(lambda: _prepare_dir(fs, path)) if engine.rank == 0 else None
+    agree(engine.comm, ready, f"preparing the save to {url}")
     groups, sections = _plan(engine)
     commit = None
     if engine.rank == 0:
@@ -255,7 +295,7 @@ def save(
     directory (the run). ``commit_timeout``: how long rank 0 waits for the other ranks' files.
     """
     rank = engine.rank
-    fs, path, sections, commit = _start(engine, url, None, storage_options, num_to_keep, commit_timeout)
+    fs, path, sections, commit = _start(engine, url, storage_options, num_to_keep, commit_timeout)
     agree(engine.comm, attempt(lambda: _write_rank(fs, path, rank, sections, _views(sections))), f"writing {url}")
     agree(engine.comm, attempt(lambda: commit.run(fs, path, url)) if commit else None, f"committing {url}")
     return SaveHandle(url)
@@ -279,9 +319,9 @@ class AsyncSaver:
     """Background saves of one engine, one in flight at a time, through a reusable host buffer.
 
     Held by whoever saves (the trainer's checkpoint manager keeps one per rank; a user's loop can
-    keep its own). Every rank calls ``save`` (a collective); ``wait`` joins this rank's save in
-    flight (on rank 0: until committed) and raises its error; the next ``save`` waits first, so a
-    host buffer is never overwritten while it uploads.
+    keep its own). Every rank calls ``save`` and ``wait`` (collectives); ``wait`` returns on every
+    rank once the save in flight is committed, or raises the same error on every rank; the next
+    ``save`` waits first, so a host buffer is never overwritten while it uploads.
     """
 
     def __init__(self, engine: ZeroEngine):
@@ -290,10 +330,15 @@ class AsyncSaver:
         self._inflight: SaveHandle | None = None
 
     def wait(self) -> None:
-        """Block until this rank's in-flight save is done (on rank 0: committed); raise its error."""
-        if self._inflight is not None:
-            handle, self._inflight = self._inflight, None
-            handle.wait()
+        """Collective: return once the save in flight is committed, on every rank, or raise its error
+        on every rank (see :class:`SaveHandle`); a later ``latest_committed`` then sees it everywhere."""
+        handle = self._inflight
+        if handle is not None:
+            try:
+                handle.wait()
+            finally:
+                if handle.decided:  # else still in flight: a later wait (teardown) joins it
+                    self._inflight = None
 
     def save(
         self,
@@ -306,21 +351,21 @@ class AsyncSaver:
         """Collective: copy the engine's state into the host buffer and upload/commit it in the
         background; arguments as :func:`save`."""
         engine, rank = self.engine, self.engine.rank
-        previous = attempt(self.wait)
-        fs, path, sections, commit = _start(engine, url, previous, storage_options, num_to_keep, commit_timeout)
-        handle = SaveHandle(url)
+        self.wait()
+        fs, path, sections, commit = _start(engine, url, storage_options, num_to_keep, commit_timeout)
+        handle = SaveHandle(url, comm=engine.comm)
 
-        def write(pieces: Iterable[tuple[int, memoryview]]) -> bool:
+        def write(pieces: Iterable[tuple[int, memoryview]]) -> None:
             try:
                 _write_rank(fs, path, rank, sections, pieces)
             except Exception as e:
-                handle.error = e
+                handle.error = handle.write_error = e
                 msg = f"{type(e).__name__}: {e}"
-                attempt(lambda: protocol.write_error_marker(fs, path, rank, msg))
-                return False
-            return True
+                attempt(lambda: protocol.write_error_marker(fs, path, rank, msg))  # for a join without a group
+            finally:
+                handle.written.set()
 
-        copy, written = None, None
+        copy = None
         if not all(s.in_memory for s in sections):
             # NVMe offload: the states are in swap files, not in memory, and a snapshot of them in host
             # memory would hold the whole state. They are copied on their disk instead, through the
@@ -329,16 +374,19 @@ class AsyncSaver:
             if copy is None:
                 # No room on the disk for a copy: this rank's file is streamed now, from the swap files
                 # (the next step rewrites them), and only rank 0's commit runs in the background.
-                written = write(_views(sections))
-        pieces = _views(self._snapshot(sections, engine.device)) if written is None else None
+                write(_views(sections))
+        pieces = None if handle.written.is_set() else _views(self._snapshot(sections, engine.device))
 
         def upload() -> None:
             try:
-                if (written if pieces is None else write(pieces)) and commit is not None:
-                    commit.run(fs, path, url)
+                if pieces is not None:
+                    write(pieces)
+                if handle.write_error is None and commit is not None:
+                    commit.run(fs, path, url, handle.cancel)
             except Exception as e:
                 handle.error = e
             finally:
+                handle.written.set()
                 if copy is not None:
                     copy.close()
 
