@@ -1,9 +1,9 @@
 """One fit() at a time per run: two real drivers with the same run name, one refused while the other
-runs; a lease left by a driver killed with SIGKILL is taken over once its heartbeat is stale."""
+runs; a lease left by a driver killed with SIGKILL is taken over once its heartbeat is stale; two takers
+racing behind a slow S3 store (a proxy that holds the lease's PUTs) get one lease; nothing is left behind."""
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
@@ -19,8 +19,11 @@ import pytest
 import zeroray.train as zt
 from tests.fixtures_s3 import s3  # noqa: F401
 from tests.ray_helpers import assert_nothing_left, zeroray_actors
+from tests.s3_proxy import SlowProxy
 from zeroray.train import RunConfig, ScalingConfig, ZeroTrainer
 from zeroray.train.errors import RunLeaseError
+from zeroray.train.lease import RunLease, exclusive
+from zeroray.train.storage import RunStorage
 
 _DRIVER = """
 import sys, time, ray
@@ -50,8 +53,7 @@ def _wait_for(check, what: str, timeout_s: float = 120.0) -> None:
 def _take_over(run_dir: Path, intruder: dict) -> None:
     """Another driver's takeover, written as a lease writer must (lease.py): under the lease's lock, so no
     heartbeat can be between its check of the owner and its write."""
-    with open(run_dir / "lease.json.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with exclusive(str(run_dir / "lease.json.lock")):
         (run_dir / "lease.json.tmp").write_text(json.dumps(intruder))
         os.replace(run_dir / "lease.json.tmp", run_dir / "lease.json")
 
@@ -123,16 +125,13 @@ def test_a_fresh_lease_file_refuses_and_an_unreadable_one_counts_as_stale(ray_cl
     with caplog.at_level(logging.WARNING, logger="zeroray.train.lease"):
         assert ZeroTrainer(_second_loop, run_config=rc).fit().metrics == {"driver": "second"}
     assert "taking over run 'held' from unknown" in caplog.text
-    # The lease is gone; its lock file stays (deleting a lock file others may hold open races them).
-    assert sorted(os.listdir(run_dir)) == ["lease.json.lock", "metrics.jsonl", "run.json"]
+    # The lease is gone, and its lock file with it.
+    assert sorted(os.listdir(run_dir)) == ["metrics.jsonl", "run.json"]
     assert_nothing_left("held")
 
 
 @pytest.mark.parametrize("where", ["local", "s3"])
 def test_lease_and_history_on_local_disk_and_object_storage(s3, tmp_path, where, caplog):  # noqa: F811
-    from zeroray.train.lease import RunLease
-    from zeroray.train.storage import RunStorage
-
     storage_path, options = (str(tmp_path), None) if where == "local" else (s3["bucket"] + f"/{tmp_path.name}",
                                                                            s3["options"])
     storage = RunStorage(storage_path, "run", options)
@@ -172,9 +171,6 @@ def test_a_takeover_between_a_heartbeats_check_and_its_write_is_never_overwritte
     between was overwritten, and the run that had lost the lease went on (the trainer test below hung
     now and then). Under the lease's lock it cannot land there: over 30 takeovers of a lease beating
     every 2.5 ms, each is noticed and none overwritten. Without the lock it failed: a takeover overwritten, never noticed."""
-    from zeroray.train.lease import RunLease
-    from zeroray.train.storage import RunStorage
-
     for trial in range(30):
         storage = RunStorage(str(tmp_path), f"run{trial}")
         storage.validate(processes=1)
@@ -190,6 +186,65 @@ def test_a_takeover_between_a_heartbeats_check_and_its_write_is_never_overwritte
         finally:
             lease.release()
         assert json.loads(path.read_text())["owner"] == f"other:{trial}"  # release leaves another's lease
+
+
+@pytest.mark.parametrize("held", ["none", "stale"])
+def test_two_takers_racing_behind_slow_puts_get_one_lease(s3, held, caplog):  # noqa: F811
+    """Two fits of one run start while the store is slow to take PUTs of the lease (2 s for the first, 4 s
+    for the second): the second reads the lease while the first's PUT is still on its way. Both took it
+    (a write, then a read-back of their own write, each before the other's landed), both ran, and the
+    first later blamed its own "late heartbeat". Now the store decides (S3 If-None-Match, or If-Match the
+    stale lease's ETag): the first takes the lease, the second refuses naming it."""
+    run = f"{s3['bucket']}/race-{held}"
+    is_lease_put = lambda method, path: method == "PUT" and path.endswith("/lease.json")  # noqa: E731
+    with SlowProxy(s3["options"]["endpoint_url"], is_lease_put, delays_s=[2.0, 4.0]).running() as proxy:
+        options = {**s3["options"], "endpoint_url": proxy.url}
+        storages = [RunStorage(run, "run", options) for _ in range(2)]
+        storages[0].validate(processes=1)
+        if held == "stale":  # a dead driver's lease, written straight to the store
+            stale = {"owner": "dead-driver", "started_at": 0.0, "heartbeat": 0.0}
+            RunStorage(run, "run", s3["options"]).fs.pipe_file(storages[0].path("lease.json"), json.dumps(stale).encode())
+        leases = [RunLease(s, timeout_s=60) for s in storages]
+        outcome: dict[int, RunLeaseError | None] = {}
+
+        def take(i: int) -> None:
+            try:
+                leases[i].acquire()
+                outcome[i] = None
+            except RunLeaseError as e:
+                outcome[i] = e
+
+        takers = [threading.Thread(target=take, args=(i,)) for i in range(2)]
+        with caplog.at_level(logging.WARNING, logger="zeroray.train.lease"):
+            takers[0].start()
+            assert proxy.arrived(1, 30), "the first taker's PUT"  # on its way, held by the slow store
+            takers[1].start()
+            for t in takers:
+                t.join(60)
+        try:
+            assert sorted(outcome) == [0, 1]
+            winners = [i for i in (0, 1) if outcome[i] is None]
+            assert winners == [0], outcome
+            owner = leases[0].owner
+            assert "run 'run' is running (since " in str(outcome[1]) and f"owner {owner}, " in str(outcome[1])
+            lease = json.loads(RunStorage(run, "run", s3["options"]).fs.cat_file(storages[0].path("lease.json")))
+            assert lease["owner"] == owner
+        finally:
+            for i, lease in enumerate(leases):
+                if outcome.get(i) is None:
+                    lease.release()
+
+
+def test_a_released_lease_leaves_nothing_behind(tmp_path):
+    """The lease and its lock file go at the end of a fit: an empty ``lease.json.lock`` stayed."""
+    storage = RunStorage(str(tmp_path), "run")
+    storage.validate(processes=1)
+    for _ in range(2):  # and the next fit of the run takes it again as new
+        lease = RunLease(storage, timeout_s=60)
+        lease.acquire()
+        assert sorted(os.listdir(storage.dir)) == ["lease.json", "lease.json.lock"]
+        lease.release()
+        assert os.listdir(storage.dir) == []
 
 
 def _reports_forever():

@@ -7,15 +7,19 @@ owner id, when it started, and a heartbeat that a driver thread refreshes every 
 older than the timeout belongs to a driver that died, and is taken over with a warning. The lease is
 deleted when the fit ends.
 
-On a local or network disk taking the lease is race-free: the file is created with ``os.link``
-(fails if it exists) and a stale one is first renamed away (only one renamer wins). Every read-then-write
-of the lease there (taking it, each heartbeat, the release) holds an exclusive ``flock`` on
-``<run>/lease.json.lock``, the protocol for anything that writes the lease: without it, a takeover
-that landed between a heartbeat's check of the owner and its write was overwritten, and the run
-that had lost the lease never noticed. Object stores
-have no such primitive here: the lease is written, then read back, and every heartbeat checks the
-owner, so of two fits that start in the same instant the one that lost notices at its next heartbeat
-and stops.
+Taking the lease is atomic against a racing taker wherever the store has a conditional create. On a
+local or network disk the file is created with ``os.link`` (fails if it exists) and a stale one is
+first renamed away (only one renamer wins). Every read-then-write of the lease there (taking it, each
+heartbeat, the release) holds an exclusive ``flock`` on ``<run>/lease.json.lock``, the protocol for
+anything that writes the lease (:func:`exclusive`): without it, a takeover that landed between a
+heartbeat's check of the owner and its write was overwritten, and the run that had lost the lease
+never noticed. The release deletes the lock file too, under the lock; a taker that was waiting on
+the deleted file sees it is no longer the one at that path and locks the new one. On S3 the lease is
+created with ``If-None-Match: *`` (the PUT fails if the object exists, however slow it is), a stale
+one is replaced with ``If-Match`` its ETag, and so is each heartbeat's write (the ETag is asked
+before the owner is read), so two fits that start in the same instant, or behind slow PUTs, get one lease: the
+other's PUT fails and it refuses. Other stores get fsspec's ``pipe_file(mode="create")``, as
+atomic as their driver makes it, and a read-back: there a loser notices at its next heartbeat.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from typing import Any
 
 from fsspec.implementations.local import LocalFileSystem
 
-from zeroray.storage import atomic_write
+from zeroray.storage import atomic_write, protocols
 from zeroray.train.errors import RunLeaseError
 from zeroray.train.storage import LEASE, RunStorage
 
@@ -44,6 +48,25 @@ logger = logging.getLogger(__name__)
 
 def _when(t: float) -> str:
     return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+@contextlib.contextmanager
+def exclusive(lock_path: str) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``lock_path``, a file that its last holder may delete: once
+    locked, the file open here must still be the one at that path, else the lock is taken again."""
+    while True:
+        fd = os.open(lock_path, os.O_CREAT | os.O_RDWR, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                current = os.stat(lock_path).st_ino
+            except FileNotFoundError:
+                current = None
+            if current == os.fstat(fd).st_ino:
+                yield
+                return
+        finally:
+            os.close(fd)  # releases the lock
 
 
 class RunLease:
@@ -59,6 +82,7 @@ class RunLease:
         self._path = storage.path(LEASE)
         self._local = isinstance(storage.fs, LocalFileSystem)
         self._lock_path = storage.fs._strip_protocol(self._path) + ".lock" if self._local else None
+        self._s3 = any(p in ("s3", "s3a") for p in protocols(storage.fs))
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -73,12 +97,8 @@ class RunLease:
         if self._lock_path is None:
             yield
             return
-        fd = os.open(self._lock_path, os.O_CREAT | os.O_RDWR, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+        with exclusive(self._lock_path):
             yield
-        finally:
-            os.close(fd)  # releases the lock
 
     def _read(self) -> dict[str, Any] | None:
         try:
@@ -99,10 +119,25 @@ class RunLease:
             f"with no heartbeat for RunConfig.lease_timeout_s={self.timeout_s:g}s is taken over"
         )
 
+    def _etag_now(self) -> str | None:
+        """S3: the ETag of the lease object now (None: there is none). Asked before the lease is read,
+        so a write conditional on it fails if the lease changed after this."""
+        self.storage.fs.invalidate_cache(self._path)
+        try:
+            return self.storage.fs.info(self._path).get("ETag")
+        except FileNotFoundError:
+            return None
+
+    def _put(self, **condition: str) -> None:
+        self.storage.fs.pipe_file(self._path, self._body(), **condition)
+
     def _create(self) -> None:
         """Create the lease file; a fit that got there first makes this a RunLeaseError."""
         if not self._local:
-            atomic_write(self.storage.fs, self._path, self._body())
+            try:
+                self._put(mode="create")  # S3: If-None-Match: *, the store refuses a second creator
+            except FileExistsError:
+                raise self._running(self._read() or {}) from None
             return
         path = self.storage.fs._strip_protocol(self._path)
         tmp = f"{path}.tmp-{uuid.uuid4().hex}"
@@ -114,8 +149,17 @@ class RunLease:
         finally:
             os.unlink(tmp)
 
-    def _take_over(self) -> None:
-        """Move a stale lease out of the way (one fit wins the rename), then create ours."""
+    def _take_over(self, etag: str | None) -> None:
+        """Move a stale lease out of the way (one fit wins the rename), then create ours. On S3 replace
+        it only if it is still the one read (``etag``), so of two takers one wins."""
+        if self._s3 and etag is not None:
+            try:
+                self._put(IfMatch=etag)
+            except FileNotFoundError:  # released in between: take it as new
+                self._create()
+            except OSError:  # 412: another fit took it over (or its owner beat) since it was read
+                raise self._running(self._read() or {}) from None
+            return
         if self._local:
             path = self.storage.fs._strip_protocol(self._path)
             aside = f"{path}.stale-{uuid.uuid4().hex}"
@@ -138,6 +182,7 @@ class RunLease:
         self._thread.start()
 
     def _acquire(self) -> None:
+        etag = self._etag_now() if self._s3 else None
         held = self._read()
         if held is None:
             self._create()
@@ -150,7 +195,7 @@ class RunLease:
                 "(RunConfig.lease_timeout_s=%g); its driver is presumed dead",
                 self.storage.name, held.get("owner"), age, self.timeout_s,
             )
-            self._take_over()
+            self._take_over(etag)
         now = self._read()
         if now is None or now.get("owner") != self.owner:
             raise self._running(now or {})
@@ -159,6 +204,7 @@ class RunLease:
         while not self._stop.wait(self.interval_s):
             try:
                 with self._exclusive():
+                    etag = self._etag_now() if self._s3 else None
                     held = self._read()
                     if held is not None and held.get("owner") != self.owner:
                         self.lost = (
@@ -167,7 +213,12 @@ class RunLease:
                             f"RunConfig.lease_timeout_s={self.timeout_s:g}s)"
                         )
                         return
-                    atomic_write(self.storage.fs, self._path, self._body())
+                    if not self._s3:
+                        atomic_write(self.storage.fs, self._path, self._body())
+                    elif etag is None:
+                        self._put(mode="create")
+                    else:  # fails if another fit wrote it since it was read: seen at the next beat
+                        self._put(IfMatch=etag)
             except Exception as e:  # a storage hiccup: try again at the next beat
                 logger.warning("zeroray: could not refresh the lease %s: %s: %s", self._path, type(e).__name__, e)
 
@@ -181,5 +232,7 @@ class RunLease:
                 held = self._read()
                 if held is not None and held.get("owner") == self.owner:
                     self.storage.fs.rm_file(self._path)
+                    if self._lock_path is not None:  # nothing left behind; a waiter on it locks anew
+                        os.unlink(self._lock_path)
         except Exception as e:
             logger.warning("zeroray: could not release the lease %s: %s: %s", self._path, type(e).__name__, e)

@@ -1,0 +1,87 @@
+"""A slow S3 store for tests: a loopback HTTP proxy in front of a real S3 endpoint (moto) that holds
+chosen requests for a while before it forwards them, as a slow network or an overloaded store does.
+The store's own semantics (conditional writes, errors) are the endpoint's; only the timing changes."""
+
+from __future__ import annotations
+
+import http.client
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
+
+_HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length"}
+
+
+class SlowProxy:
+    """Forwards every request to ``upstream``; one for which ``hold(method, path)`` is true is held first,
+    the n-th such request for ``delays_s[n]`` seconds (the last one for any after). ``held`` counts the
+    held requests that have arrived (``arrived(n)`` waits for n)."""
+
+    def __init__(self, upstream: str, hold: Callable[[str, str], bool], delays_s: Sequence[float]) -> None:
+        self.upstream = urlsplit(upstream)
+        self.hold = hold
+        self.delays_s = list(delays_s)
+        self.held = 0
+        self._arrivals = threading.Condition()
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self._server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    def arrived(self, n: int, timeout_s: float) -> bool:
+        """Wait until ``n`` held requests have arrived (they are being held now, or were)."""
+        with self._arrivals:
+            return self._arrivals.wait_for(lambda: self.held >= n, timeout_s)
+
+    def _handler(self) -> type[BaseHTTPRequestHandler]:
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:  # quiet
+                pass
+
+            def _forward(self) -> None:
+                if "chunked" in self.headers.get("Transfer-Encoding", ""):
+                    raise NotImplementedError("SlowProxy forwards bodies with a Content-Length only")
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if proxy.hold(self.command, urlsplit(self.path).path):
+                    with proxy._arrivals:
+                        delay = proxy.delays_s[min(proxy.held, len(proxy.delays_s) - 1)]
+                        proxy.held += 1
+                        proxy._arrivals.notify_all()
+                    time.sleep(delay)  # the slow store itself, not a test's synchronisation
+                conn = http.client.HTTPConnection(proxy.upstream.hostname, proxy.upstream.port, timeout=60)
+                try:
+                    conn.request(self.command, self.path, body=body, headers=dict(self.headers.items()))
+                    resp = conn.getresponse()
+                    data = resp.read()
+                    self.send_response(resp.status, resp.reason)
+                    for k, v in resp.getheaders():
+                        if k.lower() not in _HOP_BY_HOP:
+                            self.send_header(k, v)
+                    length = resp.getheader("Content-Length") if self.command == "HEAD" else str(len(data))
+                    self.send_header("Content-Length", length or "0")
+                    self.end_headers()
+                    if self.command != "HEAD":
+                        self.wfile.write(data)
+                finally:
+                    conn.close()
+
+            do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _forward
+
+        return Handler
+
+    @contextmanager
+    def running(self) -> Iterator[SlowProxy]:
+        thread = threading.Thread(target=self._server.serve_forever, name="slow-s3-proxy", daemon=True)
+        thread.start()
+        try:
+            yield self
+        finally:
+            self._server.shutdown()
+            self._server.server_close()
+            thread.join()
