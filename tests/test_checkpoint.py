@@ -252,7 +252,7 @@ def test_checkpoint_that_does_not_fit_the_model(small: tuple[str, dict]) -> None
     engine = make_engine(2, d=14)
     with pytest.raises(zc.CheckpointError, match="shape mismatch"):
         zc.load(engine, url)
-    with pytest.raises(zc.CheckpointError, match="not a committed checkpoint"):
+    with pytest.raises(zc.CheckpointError, match="checkpoint_9 does not exist"):
         zc.load(engine, str(Path(url).parent / "checkpoint_9"))
     engine.close()
 
@@ -280,8 +280,8 @@ def test_cli_ls_and_export(base: Path, w2: list[dict], tmp_path: Path, capsys: p
         got.update(load_file(out / f))
     for name, t in expected(w2, 2)["weights"].items():
         assert torch.equal(got[name], t.to(torch.bfloat16)), name
-    assert main(["export", str(run / "checkpoint_9"), str(out)]) == 1
-    assert "not a committed checkpoint" in capsys.readouterr().err
+    assert main(["export", str(run / "checkpoint_9"), str(out)]) == 2
+    assert "checkpoint_9 does not exist" in capsys.readouterr().err
 
     empty = tmp_path / "empty-run"
     empty.mkdir()

@@ -1,9 +1,13 @@
 """The ``zeroray`` command on bad input: one line on stderr and exit 2, never a traceback; ``ls`` of a
 path that does not exist, of S3 without credentials, and of a checkpoint missing a rank file; ``export``
-that fails midway or re-exports into the same directory leaves no partial or stale shards."""
+that fails midway or re-exports into the same directory leaves no partial or stale shards; a newcomer's
+wrong folder (``ls`` of a checkpoint or of a folder of runs, ``export`` of a folder that is not there)
+named as such; ``--version``; ``plot``'s default folder named from the URL, never from run.json."""
 
 from __future__ import annotations
 
+import importlib.metadata
+import json
 import os
 import shutil
 import subprocess
@@ -14,12 +18,14 @@ from typing import Any
 import pytest
 from safetensors.torch import load_file
 
+import zeroray
 import zeroray.checkpoint as zc
 from tests.checkpoint_helpers import make_engine, train
 from tests.fixtures_s3 import s3  # noqa: F401
 from tests.models import batches
 from zeroray.checkpoint.manifest import rank_file
 from zeroray.cli import main
+from zeroray.monitoring.plot import FILES
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -150,3 +156,83 @@ def test_re_export_leaves_no_stale_shards(ckpt: str, tmp_path: Path, capsys: pyt
     assert files == ["model-00001-of-00001.safetensors", "model.safetensors.index.json"]
     assert sorted(os.listdir(out)) == sorted(files) and sorted(os.listdir(tmp_path)) == ["hf"]
     assert len(load_file(out / files[0])) > 3
+
+
+# ------------------------------------------------------------------------------ a newcomer's paths
+
+
+def test_version() -> None:
+    done = subprocess.run([sys.executable, "-m", "zeroray.cli", "--version"], capture_output=True, text=True,
+                          cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0 and done.stdout == f"zeroray {zeroray.__version__}\n", done
+    assert zeroray.__version__ == importlib.metadata.version("zeroray")  # pyproject.toml's
+
+
+def test_ls_of_a_checkpoint_folder_names_the_run_folder(ckpt: str, capsys: pytest.CaptureFixture) -> None:
+    assert main(["ls", ckpt]) == 2
+    _one_line_error(capsys, f"{ckpt} is a checkpoint, not a run", f"zeroray ls {Path(ckpt).parent}")
+
+
+def test_ls_of_a_folder_of_runs_names_a_run(ckpt: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    for run in ("run-b", "run-a"):
+        shutil.copytree(ckpt, tmp_path / run / "checkpoint_1")
+    (tmp_path / "notes").mkdir()
+    assert main(["ls", str(tmp_path)]) == 2
+    _one_line_error(capsys, "holds 2 runs (run-a, run-b)", f"zeroray ls {tmp_path / 'run-a'}")
+    (tmp_path / "empty-run").mkdir()
+    assert main(["ls", str(tmp_path / "empty-run")]) == 0  # a run that has not saved yet
+    assert capsys.readouterr().out == f"no checkpoints under {tmp_path / 'empty-run'}\n"
+
+
+def test_export_of_a_folder_that_does_not_exist_says_so(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Not "the save did not finish": there was no save."""
+    missing = tmp_path / "run" / "checkpoint_7"
+    assert main(["export", str(missing), str(tmp_path / "hf")]) == 2
+    err = _one_line_error(capsys, f"{missing} does not exist")
+    assert "did not finish" not in err
+    missing.mkdir(parents=True)
+    assert main(["export", str(missing), str(tmp_path / "hf")]) == 1
+    _one_line_error(capsys, "not a committed checkpoint", "the save did not finish")
+
+
+@pytest.mark.parametrize("name", ["../escaped", "{tmp}/absolute", "s3-bucket/../../escaped"])
+def test_plot_default_out_comes_from_the_url_not_from_run_json(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """run.json is storage content: its ``name`` may be absolute or climb out of the working directory."""
+    pytest.importorskip("matplotlib")
+    run = tmp_path / "runs" / "my-run"
+    run.mkdir(parents=True)
+    (run / "run.json").write_text(json.dumps({"name": name.format(tmp=tmp_path), "status": "FINISHED"}))
+    (run / "metrics.jsonl").write_text(
+        "".join(json.dumps({"loss": 3.0 - i, "_global_step": i, "_time_s": float(i)}) + "\n" for i in (1, 2)))
+    work = tmp_path / "work" / "here"
+    work.mkdir(parents=True)
+    monkeypatch.chdir(work)
+    assert main(["plot", str(run)]) == 0
+    written = capsys.readouterr().out.split()
+    assert sorted(written) == sorted(f"my-run-plots/{f}" for f in FILES)
+    assert sorted(os.listdir(work / "my-run-plots")) == sorted(FILES)
+    assert sorted(p.name for p in tmp_path.rglob("*-plots")) == ["my-run-plots"]
+    assert sorted(os.listdir(tmp_path)) == ["runs", "work"]
+
+
+def test_wrong_folders_on_s3(
+    ckpt: str, s3: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture  # noqa: F811
+) -> None:
+    """The same hints on an object store, which has no directories, only key prefixes."""
+    import s3fs
+
+    fs = s3fs.S3FileSystem(**s3["options"])
+    root = f"{s3['bucket']}/results"
+    for name in sorted(os.listdir(ckpt)):
+        fs.put_file(str(Path(ckpt) / name), f"{root}/run-a/checkpoint_1/{name}")
+    opts = [f"-o{k}={v}" for k, v in s3["options"].items()]
+    assert main(["ls", f"{root}/run-a", *opts]) == 0
+    assert capsys.readouterr().out.splitlines()[1].split()[:2] == ["1", "yes"]
+    assert main(["ls", root, *opts]) == 2
+    _one_line_error(capsys, "holds 1 runs (run-a)", f"zeroray ls {root}/run-a")
+    assert main(["ls", f"{root}/run-a/checkpoint_1", *opts]) == 2
+    _one_line_error(capsys, "is a checkpoint, not a run", f"zeroray ls {root}/run-a")
+    assert main(["export", f"{root}/run-a/checkpoint_9", str(tmp_path / "hf"), *opts]) == 2
+    _one_line_error(capsys, f"{root}/run-a/checkpoint_9 does not exist")

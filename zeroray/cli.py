@@ -4,9 +4,9 @@ lives here; the library packages only return values and raise.
 
 Exit status: 0 success; 1 a checkpoint is bad (not committed, damaged, fails ``--verify``), or the
 run ``watch`` followed ended ERRORED or ABORTED; 130 ``watch`` stopped by Ctrl-C;
-2 a usage error — a bad argument value, a path that does not exist or is the wrong kind, storage
-that cannot be opened or read (no credentials, unreachable) — reported as one line on stderr,
-never a traceback.
+2 a usage error — a bad argument value, a path that does not exist or is the wrong kind (``ls`` of
+a checkpoint folder or of a folder of runs), storage that cannot be opened or read (no credentials,
+unreachable) — reported as one line on stderr, never a traceback.
 """
 
 from __future__ import annotations
@@ -14,10 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import posixpath
 import re
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
+
+from zeroray import __version__
 
 _SUFFIXES = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
 _GIB = 1024**3
@@ -233,7 +236,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def _ls(run_url: str, verify: bool, options: dict[str, Any]) -> int:
-    from zeroray.checkpoint import CheckpointError, CheckpointReader, list_checkpoints
+    from zeroray.checkpoint import list_checkpoints
     from zeroray.checkpoint.storage import open_url
 
     fs, path = open_url(run_url, options)
@@ -249,25 +252,50 @@ def _ls(run_url: str, verify: bool, options: dict[str, Any]) -> int:
         state = "yes" if c.committed else "broken" if c.broken else "no"
         row = [str(c.step), state, str(c.world_size or "-"), str(c.stage if c.committed else "-"), _human(c.size_bytes)]
         if verify:
-            status = "-"
-            if c.committed:
-                try:
-                    CheckpointReader(c.url, options).verify()
-                    status = "ok"
-                except CheckpointError as e:
-                    status, bad = f"BAD: {e}", bad + 1
+            status = _verify(c.url, options) if c.committed else "-"
+            if status is None:  # deleted since the listing (retention by a run saving now): gone
+                continue
+            bad += status.startswith("BAD")
             row.append(status)
         url = c.url
         if c.broken:
             url, bad = f"{c.url}  ({c.broken})", bad + 1
         rows.append((*row, url))
     if len(rows) == 1:
-        print(f"no checkpoints under {run_url}")
-        return 0
+        return _no_checkpoints(run_url, options)
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     for r in rows:
         print("  ".join(f"{v:<{w}}" for v, w in zip(r, widths)) + "  " + r[-1])
     return 1 if bad else 0
+
+
+def _verify(url: str, options: dict[str, Any]) -> str | None:
+    """``ok``, ``BAD: <why>``, or None for a checkpoint deleted since it was listed."""
+    from zeroray.checkpoint import CheckpointError, CheckpointReader
+    from zeroray.checkpoint.storage import vanished
+
+    try:
+        CheckpointReader(url, options).verify()
+    except CheckpointError as e:
+        return None if vanished(url, options) else f"BAD: {e}"
+    return "ok"
+
+
+def _no_checkpoints(run_url: str, options: dict[str, Any]) -> int:
+    """An empty run is exit 0; a checkpoint folder or a folder of runs given instead is a usage error
+    that names the folder to list."""
+    from zeroray.checkpoint.storage import is_checkpoint, parent_url, runs_under
+
+    if is_checkpoint(run_url, options):
+        return _fail(f"{run_url} is a checkpoint, not a run: list the run folder that holds it, "
+                     f"zeroray ls {parent_url(run_url)}")
+    runs = runs_under(run_url, options)
+    if runs:
+        names = ", ".join(posixpath.basename(r) for r in runs[:3]) + (", ..." if len(runs) > 3 else "")
+        return _fail(f"no checkpoints directly under {run_url}, which holds {len(runs)} runs ({names}): "
+                     f"list one of them, e.g. zeroray ls {runs[0]}")
+    print(f"no checkpoints under {run_url}")
+    return 0
 
 
 def _add_export(sub: argparse._SubParsersAction) -> None:
@@ -379,20 +407,21 @@ def _add_plot(sub: argparse._SubParsersAction) -> None:
         "(needs matplotlib: pip install 'zeroray[plot]').",
     )
     p.add_argument("run_url", help="the run directory, <storage_path>/<name> (any fsspec URL)")
-    p.add_argument("--out", default=None, help="directory for the PNGs, any fsspec URL (default: ./<run name>-plots)")
+    p.add_argument("--out", default=None,
+                   help="directory for the PNGs, any fsspec URL (default: ./<last part of run_url>-plots)")
     _add_storage_options(p)
     p.set_defaults(func=cmd_plot)
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
     """Write the plots and print their URLs."""
-    from zeroray.monitoring.plot import PlotDependencyError, plot_run, require_matplotlib
+    from zeroray.monitoring.plot import PlotDependencyError, default_out, plot_run, require_matplotlib
     from zeroray.monitoring.run_history import HistoryReader
 
     def run() -> int:
         options = dict(args.storage_option)
         history = HistoryReader(args.run_url, options).read()
-        for url in plot_run(history, args.out or f"{history.name}-plots", options):
+        for url in plot_run(history, args.out or default_out(args.run_url, options), options):
             print(url)
         return 0
 
@@ -408,6 +437,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="zeroray", description="ZeRO stages 0-3 for PyTorch, native to Ray."
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_estimate(sub)
     _add_ls(sub)

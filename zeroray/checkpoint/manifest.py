@@ -12,13 +12,23 @@ The manifest is a tree of dataclasses (:class:`Manifest`, :class:`GroupEntry`, :
 format version 1, so manifests written before these classes existed still load. Version 2 only adds
 the checksum ``crc32c`` (hardware CRC, ~3x zlib's crc32 here); each file entry names its algorithm,
 so version-1 files (``crc32``) are verified with zlib as before.
+
+A manifest comes from storage, so it is input: ``from_json`` checks every field (its type, its range,
+and sizes against the layout) before anything is read or allocated from it. A file entry's ``path``
+must be a plain file name inside the checkpoint directory (never ``../x``, an absolute path or a
+URL); every section must lie inside its file, sections must not overlap, and a shard's byte count
+must be its group's shard at the world size that saved it, so the bytes a manifest claims are
+bounded by its files' sizes (which the reader checks against the listing before any read).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
+import re
 import zlib
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +36,7 @@ from typing import Any
 import crc32c as _crc32c
 import torch
 
+from zeroray.engine.layout import shard_numel
 from zeroray.storage import StorageError
 
 FORMAT = "zeroray-checkpoint"
@@ -58,6 +69,10 @@ class CheckpointStorageError(CheckpointError, StorageError):
     error)."""
 
 
+class CheckpointNotFoundError(CheckpointStorageError):
+    """The checkpoint directory does not exist: a wrong URL, or a checkpoint that retention deleted."""
+
+
 def rank_file(rank: int) -> str:
     return f"rank-{rank:05d}.bin"
 
@@ -74,6 +89,70 @@ def aligned(n: int) -> int:
 def itemsize(dtype: str) -> int:
     """Bytes per element of a manifest dtype name ("float32", ...)."""
     return DTYPES[dtype].itemsize
+
+
+_REQUIRED = object()
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}")  # one path component: no "/", "\\", ":" or ".."
+_HEX8 = re.compile(r"[0-9a-f]{8}")
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+MAX_CHUNK_BYTES = 1 << 30  # a chunk is read and checked in one piece
+KINDS = ("shard", "rng", "buffer")
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+class _Fields:
+    """One JSON object of a manifest, its fields checked (type and range) as they are read: a bad one
+    is a ValueError naming where it is, e.g. ``files[0].sections[3].nbytes is -1, not an integer >= 0``."""
+
+    def __init__(self, d: Any, where: str):
+        if not isinstance(d, dict):
+            raise ValueError(f"{where} is {_show(d)}, not a JSON object")
+        self.d, self.where = d, where
+
+    def _get(self, key: str, default: Any) -> Any:
+        if key in self.d:
+            return self.d[key]
+        if default is _REQUIRED:
+            raise ValueError(f"{self.where} has no {key!r}")
+        return default
+
+    def integer(self, key: str, lo: int = 0, hi: int | None = None, *, optional: bool = False) -> int | None:
+        v = self._get(key, None if optional else _REQUIRED)
+        if v is None and optional:
+            return None
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
+            bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+            raise ValueError(f"{self.where}.{key} is {_show(v)}, not an integer {bound}")
+        return v
+
+    def string(self, key: str, choices: Iterable[str] | None = None, default: Any = _REQUIRED) -> str:
+        v = self._get(key, default)
+        if not isinstance(v, str) or (choices is not None and v not in choices):
+            what = f"one of {sorted(choices)}" if choices is not None else "a string"
+            raise ValueError(f"{self.where}.{key} is {_show(v)}, not {what}")
+        return v
+
+    def array(self, key: str) -> list[Any]:
+        v = self._get(key, _REQUIRED)
+        if not isinstance(v, list):
+            raise ValueError(f"{self.where}.{key} is {_show(v)}, not a list")
+        return v
+
+    def shape(self, key: str) -> list[int]:
+        v = self.array(key)
+        if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in v):
+            raise ValueError(f"{self.where}.{key} is {_show(v)}, not a list of sizes >= 0")
+        return list(v)
+
+    def mapping(self, key: str, *, optional: bool = False) -> dict[str, Any] | None:
+        v = self._get(key, None if optional else _REQUIRED)
+        if (v is not None or not optional) and not isinstance(v, dict):
+            raise ValueError(f"{self.where}.{key} is {_show(v)}, not a JSON object")
+        return v
 
 
 @dataclass
@@ -98,10 +177,25 @@ class GroupEntry:
     slots: list[SlotEntry]
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> GroupEntry:
+    def from_json(cls, d: dict[str, Any], where: str = "group") -> GroupEntry:
+        """Checked: a known dtype, its optimizer keys (with "weight"), and every slot inside the group."""
+        f = _Fields(d, where)
+        name, numel = f.string("name"), f.integer("numel")
+        where = f.where = f"{where} {name!r}"
+        keys = f.array("keys")
+        if not all(isinstance(k, str) for k in keys) or len(set(keys)) != len(keys) or "weight" not in keys:
+            raise ValueError(f"{where}.keys is {_show(keys)}, not distinct names with 'weight' among them")
+        slots = []
+        for i, raw in enumerate(f.array("slots")):
+            s = _Fields(raw, f"{where}.slots[{i}]")
+            slot = SlotEntry(s.string("name"), s.shape("shape"), s.integer("offset"))
+            if slot.offset + math.prod(slot.shape) > numel:
+                raise ValueError(f"{s.where} ({slot.name!r}, {slot.shape} at {slot.offset}) runs past the group's "
+                                 f"{numel} elements")
+            slots.append(slot)
         return cls(
-            d["name"], d["numel"], d["shard_world"], d["param_group"], d["dtype"], list(d["keys"]),
-            [SlotEntry(s["name"], list(s["shape"]), s["offset"]) for s in d["slots"]],
+            name, numel, f.integer("shard_world", 1), f.integer("param_group", optional=True),
+            f.string("dtype", DTYPES), list(keys), slots,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -129,8 +223,21 @@ class SectionEntry:
     shape: list[int] | None = None
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> SectionEntry:
-        return cls(**{k: d.get(k) for k in _SECTION_KEYS if k in d})
+    def from_json(cls, d: dict[str, Any], where: str = "section") -> SectionEntry:
+        """Checked: its kind's fields, and a buffer's byte count against its dtype and shape."""
+        f = _Fields(d, where)
+        kind = f.string("kind", KINDS)
+        s = cls(kind, f.string("dtype", DTYPES), f.integer("offset"), f.integer("nbytes"))
+        if kind == "shard":
+            s.group, s.key, s.shard = f.string("group"), f.string("key"), f.integer("shard")
+        elif kind == "rng":
+            s.key = f.string("key")
+        else:
+            s.name, s.shape = f.string("name"), f.shape("shape")
+            want = math.prod(s.shape) * itemsize(s.dtype)
+            if s.nbytes != want:
+                raise ValueError(f"{where} (buffer {s.name!r}) has {s.nbytes} bytes; {s.dtype} {s.shape} is {want}")
+        return s
 
     def to_json(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in _SECTION_KEYS if getattr(self, k) is not None}
@@ -153,10 +260,36 @@ class FileEntry:
     sections: list[SectionEntry] = field(default_factory=list)
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> FileEntry:
+    def from_json(cls, d: dict[str, Any], where: str = "file") -> FileEntry:
+        """Checked: a plain file name, a checksum for every chunk of ``size`` bytes, and sections that
+        lie inside the file without overlapping."""
+        f = _Fields(d, where)
+        path = f.string("path")
+        if not _PLAIN_NAME.fullmatch(path) or ".." in path:
+            raise ValueError(f"{where}.path {_show(path)} is not a plain file name inside the checkpoint directory")
+        where = f.where = f"{where} ({path})"
+        size, chunk_bytes = f.integer("size"), f.integer("chunk_bytes", 1, MAX_CHUNK_BYTES)
+        chunks = f.array("chunks")
+        if len(chunks) != -(-size // chunk_bytes):
+            raise ValueError(f"{where} has {len(chunks)} chunk checksums; {size} bytes in chunks of {chunk_bytes} "
+                             f"need {-(-size // chunk_bytes)}")
+        if not all(isinstance(c, str) and _HEX8.fullmatch(c) for c in chunks):
+            raise ValueError(f"{where}.chunks holds something other than 8-digit hex checksums")
+        sha = f.string("sha256")
+        if not _HEX64.fullmatch(sha) or sha != file_digest(chunks):
+            raise ValueError(f"{where}.sha256 does not match its chunk checksums")
+        sections = [SectionEntry.from_json(s, f"{where}.sections[{i}]") for i, s in enumerate(f.array("sections"))]
+        end = 0
+        for s in sorted(sections, key=lambda s: s.offset):
+            what = f"{where}: the {s.kind} section at bytes [{s.offset}, {s.offset + s.nbytes})"
+            if s.offset + s.nbytes > size:
+                raise ValueError(f"{what} runs past the file's {size} bytes")
+            if s.offset < end:
+                raise ValueError(f"{what} overlaps the section before it")
+            end = s.offset + s.nbytes
         return cls(
-            d["path"], d["rank"], d["size"], d.get("algorithm", "crc32"), d["chunk_bytes"], list(d["chunks"]),
-            d["sha256"], [SectionEntry.from_json(s) for s in d["sections"]],
+            path, f.integer("rank"), size, f.string("algorithm", CHECKSUMS, default="crc32"), chunk_bytes,
+            list(chunks), sha, sections,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -187,10 +320,52 @@ class Manifest:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Manifest:
-        return cls(
-            d["world_size"], d["stage"], [GroupEntry.from_json(g) for g in d["groups"]], d["meta"],
-            [FileEntry.from_json(f) for f in d["files"]], d["version"], d.get("hf_config"),
+        """The manifest, every field checked (see the module docstring); a ValueError names the bad one."""
+        f = _Fields(d, "manifest")
+        m = cls(
+            f.integer("world_size", 1), f.integer("stage", 0, 3),
+            [GroupEntry.from_json(g, f"groups[{i}]") for i, g in enumerate(f.array("groups"))], f.mapping("meta"),
+            [FileEntry.from_json(e, f"files[{i}]") for i, e in enumerate(f.array("files"))], f.integer("version"),
+            f.mapping("hf_config", optional=True),
         )
+        m._check_layout()
+        return m
+
+    def _check_layout(self) -> None:
+        """Across entries: one file per rank, unique names, and every shard of every group's tensors
+        saved exactly once, in a section of the shard's size."""
+        if sorted(e.rank for e in self.files) != list(range(self.world_size)):
+            raise ValueError(f"files are of ranks {sorted(e.rank for e in self.files)}, not one for each of the "
+                             f"{self.world_size} ranks")
+        if len({e.path for e in self.files}) != len(self.files):
+            raise ValueError("two file entries name the same file")
+        groups = {g.name: g for g in self.groups}
+        slots = [s.name for g in self.groups for s in g.slots]
+        if len(groups) != len(self.groups) or len(set(slots)) != len(slots):
+            raise ValueError("two groups, or two parameters, have the same name")
+        seen: set[tuple[str, str, int]] = set()
+        buffers: set[str] = set()
+        for e, s in self.sections("shard"):
+            g = groups.get(s.group)
+            where = f"{e.path}: the shard section {s.shard} of {s.group!r} {s.key!r}"
+            if g is None or s.key not in g.keys or s.shard >= g.shard_world or s.dtype != g.dtype:
+                raise ValueError(f"{where} names no shard of a group in the manifest (or another dtype)")
+            want = itemsize(g.dtype) * shard_numel(g.numel, g.shard_world)
+            if s.nbytes != want:
+                raise ValueError(f"{where} has {s.nbytes} bytes; a shard of {g.numel} elements over "
+                                 f"{g.shard_world} is {want}")
+            if (s.group, s.key, s.shard) in seen:
+                raise ValueError(f"{where} is saved twice")
+            seen.add((s.group, s.key, s.shard))
+        for e, s in self.sections("buffer"):
+            if s.name in buffers:
+                raise ValueError(f"{e.path}: buffer {s.name!r} is saved twice")
+            buffers.add(s.name)
+        saved = Counter(name for name, _, _ in seen)
+        for g in self.groups:
+            if saved[g.name] != len(g.keys) * g.shard_world:
+                raise ValueError(f"group {g.name!r}: some of its {len(g.keys)} tensors x {g.shard_world} shards "
+                                 "have no section")
 
     def to_json(self) -> dict[str, Any]:
         out = {
@@ -310,5 +485,5 @@ def parse_manifest(raw: bytes, url: str) -> Manifest:
         )
     try:
         return Manifest.from_json(body)
-    except (KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(f"{url} is not a valid manifest (bad entry: {type(e).__name__}: {e})") from None
+    except ValueError as e:
+        raise CheckpointError(f"{url} is not a valid manifest: {e}") from None

@@ -45,7 +45,7 @@ from zeroray.checkpoint.manifest import (
     itemsize,
     verify_chunks,
 )
-from zeroray.checkpoint.storage import join_url, open_url, read_manifest
+from zeroray.checkpoint.storage import join_url, open_url, read_checked_manifest
 from zeroray.engine import Comm, ZeroEngine, layout
 from zeroray.engine.engine import GroupSource, ShardRange
 
@@ -94,7 +94,7 @@ class CheckpointReader:
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None):
         self.url = url
         self.fs, self.path = open_url(url, storage_options)
-        self.manifest: Manifest = read_manifest(self.fs, self.path, url)
+        self.manifest: Manifest = read_checked_manifest(self.fs, self.path, url)
         self.files = {f.path: f for f in self.manifest.files}
         self.params: dict[str, tuple[GroupEntry, SlotEntry]] = {
             s.name: (g, s) for g in self.manifest.groups for s in g.slots

@@ -24,6 +24,7 @@ from zeroray.checkpoint.commit import agree
 from zeroray.checkpoint.manifest import (
     MANIFEST,
     CheckpointError,
+    CheckpointNotFoundError,
     CheckpointStorageError,
     Manifest,
     parse_manifest,
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
     from zeroray.engine import ZeroEngine
 
 _CKPT = re.compile(r"^checkpoint_(\d+)$")
+_RANK_FILE = re.compile(r"^rank-\d+\.(bin|part\.json)$")
 join_url = storage.join_url
 parent_url = storage.parent_url
 
@@ -51,17 +53,42 @@ def checkpoint_url(run_url: str, step: int) -> str:
 
 
 def read_manifest(fs: AbstractFileSystem, path: str, url: str) -> Manifest:
-    """The checked manifest of the checkpoint at ``path``; a missing one means "not committed"."""
+    """The checked manifest of the checkpoint at ``path``; a missing one means "not committed", a
+    missing directory :class:`CheckpointNotFoundError`."""
     mpath = posixpath.join(path, MANIFEST)
     try:
         raw = fs.cat_file(mpath)
     except FileNotFoundError:
+        if not _exists(fs, path, url):
+            raise CheckpointNotFoundError(f"{url} does not exist") from None
         raise CheckpointError(
             f"{url} is not a committed checkpoint (no {MANIFEST}; the save did not finish)"
         ) from None
     except Exception as e:  # no credentials, unreachable endpoint, permission denied
         raise CheckpointStorageError(f"cannot read {join_url(url, MANIFEST)}: {type(e).__name__}: {e}") from e
     return parse_manifest(raw, join_url(url, MANIFEST))
+
+
+def _exists(fs: AbstractFileSystem, path: str, url: str) -> bool:
+    try:
+        fs.invalidate_cache(path)
+        return bool(fs.exists(path))
+    except Exception as e:  # no credentials, unreachable endpoint, permission denied
+        raise CheckpointStorageError(f"cannot read {url}: {type(e).__name__}: {e}") from e
+
+
+def read_checked_manifest(fs: AbstractFileSystem, path: str, url: str) -> Manifest:
+    """The manifest, and every file it names listed at its size (one listing) before anything is read
+    or allocated from it: a manifest claiming more bytes than its files hold is refused here."""
+    manifest = read_manifest(fs, path, url)
+    try:
+        fs.invalidate_cache(path)
+        listing = fs.ls(path, detail=True)
+    except Exception as e:  # no credentials, unreachable endpoint, permission denied
+        raise CheckpointStorageError(f"cannot list {url}: {type(e).__name__}: {e}") from e
+    sizes = {posixpath.basename(e["name"].rstrip("/")): int(e.get("size") or 0) for e in listing if e.get("type") == "file"}
+    check_files(manifest, sizes, url)
+    return manifest
 
 
 def check_files(manifest: Manifest, sizes: dict[str, int], url: str) -> None:
@@ -114,17 +141,69 @@ def _scan(fs: AbstractFileSystem, run_path: str, run_url: str) -> dict[int, tupl
     return dict(sorted(out.items()))
 
 
-def _info(fs: AbstractFileSystem, url: str, path: str, step: int, files: dict[str, int]) -> CheckpointInfo:
-    """Read and check one checkpoint's manifest; damage makes it broken, not an error."""
+def _info(fs: AbstractFileSystem, url: str, path: str, step: int, files: dict[str, int]) -> CheckpointInfo | None:
+    """Read and check one checkpoint's manifest (listed in ``files``); damage makes it broken, not an
+    error. None: it was deleted since the listing (retention, by a run saving now), so it is gone."""
     size = sum(files.values())
     try:
         m = read_manifest(fs, path, url)
         check_files(m, files, url)
+    except CheckpointNotFoundError:
+        return None
     except CheckpointStorageError:
         raise
     except CheckpointError as e:
+        if _vanished(fs, path, url):
+            return None
         return CheckpointInfo(url, step, False, size, broken=str(e))
     return CheckpointInfo(url, step, True, size, m.world_size, m.stage, m.meta.get("global_step"))
+
+
+def _vanished(fs: AbstractFileSystem, path: str, url: str) -> bool:
+    return not _exists(fs, posixpath.join(path, MANIFEST), url)
+
+
+def vanished(url: str, storage_options: dict[str, Any] | None = None) -> bool:
+    """Whether the checkpoint at ``url``, listed with a manifest, has lost it since: a deletion in
+    progress (:func:`delete_checkpoint` drops the manifest first, e.g. retention by a run saving
+    now), so a failure to read it means it is gone, not damaged."""
+    fs, path = open_url(url, storage_options)
+    return _vanished(fs, path, url)
+
+
+def is_checkpoint(url: str, storage_options: dict[str, Any] | None = None) -> bool:
+    """Whether ``url`` is itself a checkpoint folder (named ``checkpoint_<step>``, or holding a
+    manifest or rank files), not a run: what ``zeroray ls`` given the wrong folder hints at."""
+    fs, path = open_url(url, storage_options)
+    if _CKPT.match(posixpath.basename(path.rstrip("/"))):
+        return True
+    try:
+        names = {posixpath.basename(p.rstrip("/")) for p in fs.ls(path, detail=False)}
+    except FileNotFoundError:
+        return False
+    except Exception as e:  # no credentials, unreachable endpoint, permission denied
+        raise CheckpointStorageError(f"cannot list {url}: {type(e).__name__}: {e}") from e
+    return MANIFEST in names or any(_RANK_FILE.match(n) for n in names)
+
+
+def runs_under(url: str, storage_options: dict[str, Any] | None = None) -> list[str]:
+    """URLs of the folders directly under ``url`` that hold checkpoints (``url`` is then a results
+    root holding runs, not a run)."""
+    fs, path = open_url(url, storage_options)
+    root = path.rstrip("/")
+    try:
+        fs.invalidate_cache(root)
+        found = fs.find(root, maxdepth=2, withdirs=True, detail=False)
+    except FileNotFoundError:
+        return []
+    except Exception as e:  # no credentials, unreachable endpoint, permission denied
+        raise CheckpointStorageError(f"cannot list {url}: {type(e).__name__}: {e}") from e
+    runs = set()
+    for p in found:
+        parts = posixpath.relpath(p.rstrip("/"), root).split("/")
+        if len(parts) == 2 and _CKPT.match(parts[1]):
+            runs.add(parts[0])
+    return [join_url(url, r) for r in sorted(runs)]
 
 
 def list_checkpoints(
@@ -138,7 +217,9 @@ def list_checkpoints(
     for step, (path, files) in _scan(fs, run_path, run_url).items():
         url = join_url(run_url, posixpath.basename(path))
         if MANIFEST in files and read_manifests:
-            infos.append(_info(fs, url, path, step, files))
+            info = _info(fs, url, path, step, files)
+            if info is not None:  # else deleted since the listing: gone, not broken
+                infos.append(info)
         else:
             infos.append(CheckpointInfo(url, step, MANIFEST in files, sum(files.values())))
     return infos
@@ -173,7 +254,7 @@ def _latest_valid(run_url: str, storage_options: dict[str, Any] | None) -> Check
     for step, (path, files) in reversed(_scan(fs, run_path, run_url).items()):
         if MANIFEST in files:
             info = _info(fs, join_url(run_url, posixpath.basename(path)), path, step, files)
-            if info.committed:
+            if info is not None and info.committed:
                 return info
     return None
 

@@ -9,8 +9,11 @@ window), written to any fsspec URL. matplotlib is the ``plot`` extra.
 from __future__ import annotations
 
 import io
+import os
 import posixpath
 from typing import Any
+
+from fsspec.implementations.local import LocalFileSystem
 
 from zeroray.monitoring.run_history import RunHistory, number
 from zeroray.storage import join_url, open_url
@@ -138,6 +141,17 @@ def _world_size(history: RunHistory) -> Any:
     ax.set(title=f"{history.name}: world size", xlabel="seconds since fit() started", ylabel="ranks")
     ax.grid(alpha=0.3)
     return fig
+
+
+def default_out(run_url: str, storage_options: dict[str, Any] | None = None) -> str:
+    """``./<name>-plots``, ``<name>`` the last part of the run's URL as the user gave it (resolved):
+    never run.json's ``name``, which comes from storage and could be absolute, hold ``../`` or name
+    another bucket."""
+    fs, path = open_url(run_url, storage_options)
+    if isinstance(fs, LocalFileSystem):
+        path = os.path.abspath(path)
+    name = posixpath.basename(path.rstrip("/"))
+    return f"{name if name not in ('', '.', '..') else 'run'}-plots"
 
 
 def plot_run(history: RunHistory, out_url: str, storage_options: dict[str, Any] | None = None) -> list[str]:
