@@ -296,3 +296,19 @@ def test_a_checkpoint_keeps_the_step_count_of_a_parameter_that_missed_steps() ->
         for stage in (1, 3):
             for name, want in res[("whole", stage)].items():
                 assert torch.equal(res[("resumed", stage)][name], want), (stage, name)
+
+
+def test_bad_param_steps_in_a_checkpoint_fail_before_anything_changes() -> None:
+    torch.manual_seed(0)
+    model = Branchy()
+    model.c.requires_grad_(False)  # a frozen group: written first by a load
+    engine = zeroray.initialize(model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad]),
+                                zeroray.ZeroConfig(stage=1))
+    before = engine.full_state_dict()
+    shards = {s.name: {k: torch.zeros_like(t) for k, t in s.tensors.items()} for s in engine.shard_state()}
+    for bad in ({"b.weight": "2"}, {"b.weight": -1}, ["b.weight"]):
+        with pytest.raises(ValueError, match="param_steps must map parameter names to step counts >= 0"):
+            engine.load_shard_state(shards, {**engine.state_meta(), "param_steps": bad})
+        after = engine.full_state_dict()
+        assert all(torch.equal(after[n], t) for n, t in before.items())
+    engine.close()

@@ -592,11 +592,12 @@ class ZeroEngine:
 
         The engine takes ownership of the optimizer-state tensors (no copy when device and dtype
         already fit): hand it tensors nobody else writes to."""
+        param_scalars = self._param_scalars(meta)  # checked before anything changes
         with torch.no_grad():
             for g in self.groups:
                 if not g.trainable:
                     g.write_shard(0, g.shard_numel, tensors[g.name]["weight"].reshape(-1))
-            self.optim.load({g: tensors[g.name] for g in self.optim.groups}, self._scalars(meta), self._param_scalars(meta))
+            self.optim.load({g: tensors[g.name] for g in self.optim.groups}, self._scalars(meta), param_scalars)
             self._publish(self.groups)
         self._load_meta(meta)
 
@@ -610,6 +611,7 @@ class ZeroEngine:
         NVMe offload, one call per sub-group fills the swap buffers and each file is written once,
         so host memory stays bounded by the buffer pool (a failed read leaves part of the state
         loaded: load again)."""
+        param_scalars = self._param_scalars(meta)  # checked before anything changes
         frozen = [g for g in self.groups if not g.trainable]
         weights = {g: torch.empty(g.shard_numel, dtype=torch.float32) for g in frozen}
 
@@ -621,7 +623,7 @@ class ZeroEngine:
                 fill(ranges([(g, "weight", 0, g.shard_numel, t) for g, t in weights.items()]))
             self.optim.load_stream(
                 {g: keys[g.name] for g in self.optim.groups}, lambda parts: fill(ranges(parts)), self._scalars(meta),
-                self._param_scalars(meta),
+                param_scalars,
             )
             for g, t in weights.items():
                 g.write_shard(0, g.shard_numel, t)
@@ -643,20 +645,20 @@ class ZeroEngine:
 
     def _param_scalars(self, meta: dict[str, Any]) -> dict[str, dict[str, float] | None]:
         """Per parameter with uneven steps (see :meth:`_uneven_param_steps`), its scalar states: its
-        group's with its own step count, or None (never stepped: fresh). Sets the step counts too."""
-        scalars = self._scalars(meta)
+        group's with its own step count, or None (never stepped: fresh). Checks them first."""
         uneven = meta.get("param_steps") or {}
+        if not isinstance(uneven, dict) or not all(
+            isinstance(k, str) and type(v) is int and v >= 0 for k, v in uneven.items()
+        ):
+            raise ValueError("the checkpoint's param_steps must map parameter names to step counts >= 0")
+        scalars = self._scalars(meta)
         out: dict[str, dict[str, float] | None] = {}
-        for g, counts in self._param_steps.items():
+        for g in self._param_steps:
             common = scalars[g.param_group]
-            for i, name in enumerate(g.param_names):
-                counts[i] = n = int(uneven.get(name, common.get("step", meta.get("global_step", 0))))
-                if name not in uneven:
-                    continue
-                if n == 0:
-                    out[name] = None
-                else:
-                    out[name] = {**common, "step": float(n)} if "step" in common else common
+            for name in g.param_names:
+                if name in uneven:
+                    n = uneven[name]
+                    out[name] = None if n == 0 else {**common, "step": float(n)} if "step" in common else common
         return out
 
     def _load_meta(self, meta: dict[str, Any]) -> None:
@@ -666,6 +668,10 @@ class ZeroEngine:
                 if k in group:
                     group[k] = tuple(v) if isinstance(group[k], tuple) else v
         self.global_step = int(meta.get("global_step", 0))
+        scalars, uneven = self._scalars(meta), meta.get("param_steps") or {}
+        for g, counts in self._param_steps.items():
+            steps = int(scalars[g.param_group].get("step", self.global_step))
+            counts[:] = [uneven.get(name, steps) for name in g.param_names]
         self.micro_step = int(meta.get("micro_step", self.global_step * self.gradient_accumulation_steps))
         self.skipped_steps = int(meta.get("skipped_steps", 0))
         if meta.get("loss_scaler"):

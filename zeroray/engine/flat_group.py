@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from enum import Enum
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -39,8 +39,19 @@ from zeroray.engine.comm import Comm, Handle
 from zeroray.engine.gather_pool import GatherPool
 from zeroray.engine.grad_buffer import GradBuffer
 
-if TYPE_CHECKING:
-    from zeroray.engine.param_swap import ParamFiles
+
+class ShardFiles(Protocol):
+    """Where parked compute shards live (offload_param "nvme"), as a group uses it; implemented by
+    :class:`~zeroray.engine.param_swap.ParamFiles`, which this module does not import."""
+
+    def write(self, g: FlatGroup, lo: int, hi: int, values: torch.Tensor) -> None:
+        """Set ``[lo, hi)`` of ``g``'s shard in its file."""
+
+    def values(self, g: FlatGroup) -> torch.Tensor:
+        """A fresh copy of ``g``'s shard, read from its file."""
+
+    def fill(self, g: FlatGroup, dst: torch.Tensor) -> None:
+        """Read ``g``'s shard (usually read ahead already) into ``dst``."""
 
 
 def _storageless(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -125,7 +136,7 @@ class FlatGroup:
             self.state = ParamState.GATHERED
         self._gather: Handle | None = None
         self._initial_master: torch.Tensor | None = None  # see take_initial_master
-        self.files: ParamFiles | None = None  # offload_param "nvme": the shard lives in a file (park())
+        self.files: ShardFiles | None = None  # offload_param "nvme": the shard lives in a file (park())
         # One element every freed parameter of this group points at (see _free_storage).
         self._placeholder = torch.empty(1, dtype=compute_dtype, device=device)
 
@@ -213,7 +224,7 @@ class FlatGroup:
         if self.sharding.shards_params:
             self._free_storage(to_pool=False)  # the pool keeps only memory that gathers use
 
-    def park(self, files: ParamFiles) -> None:
+    def park(self, files: ShardFiles) -> None:
         """offload_param "nvme": ``files`` holds this group's shard from now on (it wrote it at its
         attach); the in-memory shard keeps its shape over no storage, so a stray read fails loudly."""
         self.files = files

@@ -22,22 +22,19 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
-from typing import TYPE_CHECKING
 
 import torch
 
 from zeroray.engine.flat_group import FlatGroup
+from zeroray.engine.sub_groups import ParamSlice, SubGroup
 from zeroray.engine.swap import ALIGN, AlignedBuffer, SwapDir, aligned, read_exact, settle_all, wait_all
-
-if TYPE_CHECKING:
-    from zeroray.engine.sharded_optim import Piece, SubGroup
 
 _F32 = 4
 _COPY_HEADROOM = 64 << 20  # bytes a copy of the swap files leaves free on their disk
 
 # ``fill(parts)``: write into each ``dest`` the values ``[lo, hi)`` of ``piece``'s ``key``, where lo/hi
 # count elements of the piece's group shard (the piece covers ``[piece.lo, piece.hi)`` of it).
-Fill = Callable[[list[tuple["Piece", str, int, int, torch.Tensor]]], None]
+Fill = Callable[[list[tuple[ParamSlice, str, int, int, torch.Tensor]]], None]
 
 
 def elementwise_states(state: dict, numel: int) -> dict[str, torch.Tensor]:
@@ -83,10 +80,10 @@ class StateHome:
     def master(self, g: FlatGroup) -> torch.Tensor:
         raise NotImplementedError
 
-    def states(self, piece: Piece, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    def states(self, piece: ParamSlice, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
-    def load(self, piece: Piece, weight: torch.Tensor, states: dict[str, torch.Tensor], scalars: dict[str, float],
+    def load(self, piece: ParamSlice, weight: torch.Tensor, states: dict[str, torch.Tensor], scalars: dict[str, float],
              optimizer: torch.optim.Optimizer) -> None:
         raise NotImplementedError
 
@@ -94,17 +91,17 @@ class StateHome:
     # own bounded buffers instead of whole tensors: ``state_keys``/``stream`` to read, ``load_stream`` to write.
     in_memory = True
 
-    def state_keys(self, piece: Piece, optimizer: torch.optim.Optimizer) -> list[str]:
+    def state_keys(self, piece: ParamSlice, optimizer: torch.optim.Optimizer) -> list[str]:
         """Names of ``piece``'s elementwise optimizer states (none before its first step), sorted."""
         return sorted(self.states(piece, optimizer))
 
-    def stream(self, pieces: Sequence[Piece], key: str, optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+    def stream(self, pieces: Sequence[ParamSlice], key: str, optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
         """``pieces``' values of ``key`` ("weight": the master) in order, as consecutive 1-D fp32
         tensors; each is valid until the next one is asked for."""
         raise NotImplementedError
 
-    def load_stream(self, subs: Sequence[SubGroup], keys: Callable[[Piece], Sequence[str]], fill: Fill,
-                    scalars: Callable[[Piece], dict[str, float]], optimizer: torch.optim.Optimizer) -> None:
+    def load_stream(self, subs: Sequence[SubGroup], keys: Callable[[ParamSlice], Sequence[str]], fill: Fill,
+                    scalars: Callable[[ParamSlice], dict[str, float]], optimizer: torch.optim.Optimizer) -> None:
         """Install every piece's ``keys(piece)`` ("weight" and the states it was saved with, or
         "weight" alone: fresh states) from values ``fill`` writes into the home's buffers."""
         raise NotImplementedError
@@ -114,7 +111,7 @@ class StateHome:
         in files, or the disk has no room for a copy)."""
         return None
 
-    def set_master(self, piece: Piece, values: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
+    def set_master(self, piece: ParamSlice, values: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
         raise NotImplementedError
 
     def memory(self, subs: Sequence[SubGroup], optimizer: torch.optim.Optimizer) -> dict[str, int]:
@@ -235,10 +232,10 @@ class ResidentHome(StateHome):
     def master(self, g: FlatGroup) -> torch.Tensor:
         return g.master
 
-    def states(self, piece: Piece, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    def states(self, piece: ParamSlice, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
         return {k: v.reshape(-1) for k, v in elementwise_states(optimizer.state.get(piece.param, {}), piece.numel).items()}
 
-    def load(self, piece: Piece, weight: torch.Tensor, states: dict[str, torch.Tensor], scalars: dict[str, float],
+    def load(self, piece: ParamSlice, weight: torch.Tensor, states: dict[str, torch.Tensor], scalars: dict[str, float],
              optimizer: torch.optim.Optimizer) -> None:
         self.settle()
         piece.param.data.copy_(weight.reshape(-1))
@@ -249,7 +246,7 @@ class ResidentHome(StateHome):
         else:
             optimizer.state.pop(piece.param, None)
 
-    def set_master(self, piece: Piece, values: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
+    def set_master(self, piece: ParamSlice, values: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
         self.settle()
         piece.param.data.copy_(values)
 
@@ -486,10 +483,10 @@ class NvmeHome(StateHome):
                 buf.close()
         return out
 
-    def state_keys(self, piece: Piece, optimizer: torch.optim.Optimizer) -> list[str]:
+    def state_keys(self, piece: ParamSlice, optimizer: torch.optim.Optimizer) -> list[str]:
         return list(self.keys or ()) if optimizer.state.get(piece.param) else []
 
-    def states(self, piece: Piece, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    def states(self, piece: ParamSlice, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
         if not optimizer.state.get(piece.param) or not self.keys:
             return {}
         i, off = self._offsets[id(piece.param)]
@@ -502,7 +499,7 @@ class NvmeHome(StateHome):
     def _segment_index(self, key: str) -> int:
         return 0 if key == "weight" else 1 + (self.keys or []).index(key)
 
-    def stream(self, pieces: Sequence[Piece], key: str, optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+    def stream(self, pieces: Sequence[ParamSlice], key: str, optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
         """Read the pieces' segment ``key`` from their files through the pool's buffers (idle between
         steps), in aligned requests of at most a buffer each; the read of the next request runs
         while the caller uses the current one."""
@@ -530,8 +527,8 @@ class NvmeHome(StateHome):
             for futures in inflight.values():
                 settle_all(futures)
 
-    def load_stream(self, subs: Sequence[SubGroup], keys: Callable[[Piece], Sequence[str]], fill: Fill,
-                    scalars: Callable[[Piece], dict[str, float]], optimizer: torch.optim.Optimizer) -> None:
+    def load_stream(self, subs: Sequence[SubGroup], keys: Callable[[ParamSlice], Sequence[str]], fill: Fill,
+                    scalars: Callable[[ParamSlice], dict[str, float]], optimizer: torch.optim.Optimizer) -> None:
         """Each sub-group's file written once: its pieces' values filled into a pool buffer, the
         masters copied into the compute shards, the buffer written while the next one fills."""
         wanted = {id(p.param): sorted(k for k in keys(p) if k != "weight") for sub in subs for p in sub.pieces}
@@ -614,7 +611,7 @@ class NvmeHome(StateHome):
         for b in list(self._writes):
             settle_all(self._writes.pop(b))
 
-    def _rewrite(self, piece: Piece, edit: Callable[[AlignedBuffer, int, int], None]) -> None:
+    def _rewrite(self, piece: ParamSlice, edit: Callable[[AlignedBuffer, int, int], None]) -> None:
         """Read ``piece``'s file, ``edit(buffer, sub-group index, offset)``, write it back."""
         i, off = self._offsets[id(piece.param)]
         segs = 1 + len(self.keys or ())
@@ -627,7 +624,7 @@ class NvmeHome(StateHome):
         finally:
             buf.close()
 
-    def set_master(self, piece: Piece, values: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
+    def set_master(self, piece: ParamSlice, values: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
         def edit(buf: AlignedBuffer, i: int, off: int) -> None:
             self._segment(buf, i, 0)[off : off + piece.numel].copy_(values)
 
@@ -649,7 +646,7 @@ class NvmeHome(StateHome):
             self.swap.close()
 
 
-def _requests(pieces: Sequence[Piece], s: int, offsets: dict[int, tuple[int, int]], seg_bytes: Sequence[int],
+def _requests(pieces: Sequence[ParamSlice], s: int, offsets: dict[int, tuple[int, int]], seg_bytes: Sequence[int],
               cap: int) -> list[tuple[int, int, int, int, int]]:
     """The aligned reads that give ``pieces``' segment ``s`` in order, each at most ``cap`` (aligned)
     bytes: (file index, file offset, bytes, first element wanted in the buffer, elements wanted)."""
@@ -681,7 +678,7 @@ class SwapCopy:
         self._cap = cap
         self._buf: AlignedBuffer | None = None
 
-    def stream(self, pieces: Sequence[Piece], key: str) -> Iterator[torch.Tensor]:
+    def stream(self, pieces: Sequence[ParamSlice], key: str) -> Iterator[torch.Tensor]:
         """As :meth:`NvmeHome.stream`, from the copy, with a buffer of its own."""
         s = 0 if key == "weight" else 1 + self._keys.index(key)
         if self._buf is None:

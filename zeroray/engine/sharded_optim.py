@@ -30,6 +30,7 @@ from torch.utils.hooks import RemovableHandle
 
 from zeroray.config import ZeroConfig
 from zeroray.engine.flat_group import FlatGroup
+from zeroray.engine.sub_groups import ParamSlice, SubGroup, plan_sub_groups
 
 if TYPE_CHECKING:
     from zeroray.engine.offload import StateHome
@@ -121,73 +122,6 @@ def _constructor_kwargs(cls: type, defaults: dict) -> dict:
 
 
 
-@dataclass(frozen=True)
-class Piece:
-    """A contiguous slice ``[lo, hi)`` of one flat group's master shard inside one model parameter
-    (``index`` into the group's parameters; None: the shard's padding): one torch parameter, so a
-    model parameter without a gradient is skipped by the torch optimizer as it would be in DDP."""
-
-    group: FlatGroup
-    lo: int
-    hi: int
-    param: nn.Parameter
-    index: int | None
-
-    @property
-    def numel(self) -> int:
-        return self.hi - self.lo
-
-
-@dataclass(frozen=True)
-class SubGroup:
-    """Pieces stepped together; at most ``sub_group_size`` elements."""
-
-    index: int
-    pieces: tuple[Piece, ...]
-
-    @property
-    def numel(self) -> int:
-        return sum(p.numel for p in self.pieces)
-
-
-def _param_spans(g: FlatGroup) -> list[tuple[int, int, int | None]]:
-    """``(lo, hi, index)``: this rank's shard of ``g`` cut at its parameters' bounds (shard offsets;
-    index None for the padding past the last parameter)."""
-    spans = []
-    for i, slot in enumerate(g.slots):
-        lo, hi = max(slot.offset, g.lo), min(slot.end, g.hi)
-        if lo < hi:
-            spans.append((lo - g.lo, hi - g.lo, i))
-    end = spans[-1][1] if spans else 0
-    if end < g.shard_numel:
-        spans.append((end, g.shard_numel, None))
-    return spans
-
-
-def plan_sub_groups(groups: Sequence[FlatGroup], sub_group_size: int) -> list[list[tuple[FlatGroup, int, int, int | None]]]:
-    """Consecutive ``(group, lo, hi, index)`` slices of the trainable groups' shards, each inside one
-    parameter (see :func:`_param_spans`), packed in order into sub-groups of at most
-    ``sub_group_size`` elements (a parameter larger than the room left is split)."""
-    subs: list[list[tuple[FlatGroup, int, int, int | None]]] = []
-    cur: list[tuple[FlatGroup, int, int, int | None]] = []
-    room = sub_group_size
-    for g in groups:
-        if not g.trainable:
-            continue
-        for lo, end, index in _param_spans(g):
-            while lo < end:
-                hi = min(end, lo + room)
-                cur.append((g, lo, hi, index))
-                room -= hi - lo
-                lo = hi
-                if room == 0:
-                    subs.append(cur)
-                    cur, room = [], sub_group_size
-    if cur:
-        subs.append(cur)
-    return subs
-
-
 def _zeros_like_state(per_piece: Sequence[Mapping[str, torch.Tensor]], key: str, numel: int) -> torch.Tensor:
     """A never-stepped piece's ``key``: zeros where the group's other pieces keep theirs."""
     like = next(st[key] for st in per_piece if key in st)
@@ -266,11 +200,11 @@ class ShardedOptimizer:
         home.attach(self.groups)
         per_group: list[list[nn.Parameter]] = [[] for _ in template.param_groups]
         subs = []
-        self.pieces_of: dict[FlatGroup, list[Piece]] = {g: [] for g in self.groups}
+        self.pieces_of: dict[FlatGroup, list[ParamSlice]] = {g: [] for g in self.groups}
         for i, slices in enumerate(plan):
             pieces = []
             for g, lo, hi, index in slices:
-                piece = Piece(g, lo, hi, nn.Parameter(home.param_data(g, lo, hi), requires_grad=True), index)
+                piece = ParamSlice(g, lo, hi, nn.Parameter(home.param_data(g, lo, hi), requires_grad=True), index)
                 pieces.append(piece)
                 per_group[g.param_group].append(piece.param)
                 self.pieces_of[g].append(piece)
@@ -357,7 +291,7 @@ class ShardedOptimizer:
             return None
         return StateCopy(lambda g, key: files.stream(self.pieces_of[g], key), files.close)
 
-    def _piece_scalars(self, piece: Piece) -> dict[str, float]:
+    def _piece_scalars(self, piece: ParamSlice) -> dict[str, float]:
         """``piece``'s scalar states (e.g. Adam's step); empty before its first step."""
         state = self.optimizer.state.get(piece.param, {})
         return {k: float(v) for k, v in state.items() if not torch.is_tensor(v) or v.dim() == 0}
@@ -375,9 +309,9 @@ class ShardedOptimizer:
         return out
 
     def _load_scalars(self, scalars: Sequence[dict[str, float]], param_scalars: Mapping[str, dict[str, float] | None]
-                      ) -> Callable[[Piece], dict[str, float] | None]:
+                      ) -> Callable[[ParamSlice], dict[str, float] | None]:
         """Each piece's scalar states to load; None: none, the piece starts fresh (never stepped)."""
-        def of(piece: Piece) -> dict[str, float] | None:
+        def of(piece: ParamSlice) -> dict[str, float] | None:
             if piece.index is None:
                 return None
             return param_scalars.get(piece.group.param_names[piece.index], scalars[piece.group.param_group])

@@ -1,0 +1,114 @@
+"""No import cycle between zeroray's modules, TYPE_CHECKING imports included: a cycle means an
+interface is defined by the concrete class on the other side. Imports inside functions are lazy on
+purpose (``import zeroray`` never imports Ray) and are not edges."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import zeroray
+
+ROOT = Path(zeroray.__file__).parent
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for f in ROOT.rglob("*.py"):
+        parts = list(f.relative_to(ROOT.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = f
+    return out
+
+
+def _top_level_imports(body: list[ast.stmt]) -> list[ast.Import | ast.ImportFrom]:
+    """Imports run when the module is imported: at its top level and in top-level if/try blocks
+    (``if TYPE_CHECKING:`` included), not in functions or classes."""
+    out: list[ast.Import | ast.ImportFrom] = []
+    for node in body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            out.append(node)
+        elif isinstance(node, ast.If):
+            out += _top_level_imports(node.body) + _top_level_imports(node.orelse)
+        elif isinstance(node, ast.Try):
+            out += _top_level_imports(node.body) + _top_level_imports(node.orelse) + _top_level_imports(node.finalbody)
+            for handler in node.handlers:
+                out += _top_level_imports(handler.body)
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the zeroray modules it imports (``from a.b import c`` counts ``a.b.c`` if it is a
+    module, else ``a.b``; a package's own ``__init__`` is not an edge of its submodules)."""
+    mods = _modules()
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for name, path in mods.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in _top_level_imports(ast.parse(path.read_text()).body):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(parts + ([base] if base else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
+            graph[name].update(t for t in targets if t in mods and t != name)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_package_has_no_import_cycle() -> None:
+    graph = import_graph()
+    assert "zeroray.engine.sub_groups" in graph["zeroray.engine.offload"]  # the graph sees real edges
+    assert cycles(graph) == []
+
+
+def test_the_cycle_check_finds_a_cycle() -> None:
+    graph = import_graph()
+    graph["zeroray.engine.flat_group"].add("zeroray.engine.param_swap")  # the cycle ShardFiles broke
+    assert ["zeroray.engine.flat_group", "zeroray.engine.param_swap"] in cycles(graph)
+
+
+def test_the_engine_imports_nothing_from_ray_or_the_layers_above_it() -> None:
+    graph = import_graph()
+    for name, path in _modules().items():
+        if name.startswith("zeroray.engine"):
+            above = [d for d in graph[name] if d.startswith(("zeroray.train", "zeroray.checkpoint", "zeroray.monitoring"))]
+            assert above == [], name
+            tree = ast.parse(path.read_text())
+            ray = [n for n in ast.walk(tree) if isinstance(n, ast.Import) and any(a.name.split(".")[0] == "ray" for a in n.names)
+                   or isinstance(n, ast.ImportFrom) and (n.module or "").split(".")[0] == "ray"]
+            assert ray == [], name
