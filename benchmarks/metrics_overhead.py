@@ -123,7 +123,7 @@ def _loop(config: dict[str, Any]) -> None:
     def report_reads() -> None:
         engine.phase_report()
         engine.comm_report()
-        reporting._process_peak_rss_bytes()
+        reporting.process_memory()
 
     metrics_cb = next((c for c in callbacks if isinstance(c, RankMetrics)), None)
     stats = reporting._rank_stats(session)

@@ -28,7 +28,7 @@ import pytest
 from tests.fixtures_s3 import s3  # noqa: F401
 from tests.ray_helpers import interruptible, run_config
 from zeroray.cli import main
-from zeroray.monitoring import run_history
+from zeroray.monitoring import run_history, watch
 
 REPO = Path(__file__).resolve().parent.parent
 STEPS = 6
@@ -36,8 +36,10 @@ DEADLINE_S = 120.0
 
 
 def _loop(config: dict[str, Any]) -> None:
-    """zeroray's GPT; reports loss, a running token count and an evaluation loss every 3 steps. With
-    ``gates`` ([step, file] pairs): at that step, wait for the file before going on (bounded)."""
+    """zeroray's GPT; reports loss, a running token count and an evaluation loss every 3 steps, saves a
+    checkpoint at the last step, then reports a text sample and a final evaluation, which are no training
+    step (as examples/train_gpt.py does). With ``gates`` ([step, file] pairs): at that step, wait for the
+    file before going on (bounded)."""
     import torch
 
     import zeroray.train as zt
@@ -66,7 +68,11 @@ def _loop(config: dict[str, Any]) -> None:
         metrics = {"loss": loss.item(), "tokens": tokens}
         if engine.global_step % 3 == 0:
             metrics["val_loss"] = loss.item() * 1.1
-        zt.report(metrics)
+        zt.report(metrics, checkpoint=engine.global_step == config["steps"])
+    with torch.no_grad():  # a sample: forward passes only, every rank (stage 3 gathers collectively)
+        for _ in range(4):
+            engine(torch.randint(0, 64, (1, 16), generator=g))
+    zt.report({"sample": "text after the loop", "final_eval": 1.5})
 
 
 def _trainer(tmp_path: Path, name: str, max_failures: int = 0, **config: Any):
@@ -89,8 +95,13 @@ def finished_run(ray_cluster, tmp_path_factory) -> Path:
     return tmp / "runs" / "watched"
 
 
-def _entries(run: Path) -> list[dict[str, Any]]:
+def _lines(run: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _entries(run: Path) -> list[dict[str, Any]]:
+    """The reports that took a training step (all but the sample after the loop)."""
+    return [e for e in _lines(run) if e["_steps"] != 0]
 
 
 def _rows(out: str) -> dict[str, list[str]]:
@@ -110,12 +121,15 @@ def _check_snapshot(out: str, entries: list[dict[str, Any]], status: str, name: 
     assert status in out, out
     assert f"loss {last['loss']:.4g}" in out, out
     assert f"val_loss {[e for e in entries if 'val_loss' in e][-1]['val_loss']:.4g}" in out, out
+    assert f"reports {len(entries) + 1}  step {STEPS}  " in out, out
+    assert f"reported after step {STEPS}, not a training step: sample  final_eval 1.5" in out, out
     rows = _rows(out)
     assert sorted(rows) == [str(r["rank"]) for r in last["_ranks"]], out
     for r in last["_ranks"]:
         cells = rows[str(r["rank"])]
         assert cells[1] == str(r["global_step"]) == str(STEPS), out
         assert cells[2] == (f"{last['loss']:.4g}" if r["rank"] == 0 else "-"), out
+        assert cells[3] == watch._seconds(r["step_time_s"]), out
 
 
 # ---------------------------------------------------------------------------------------- watch --once
@@ -151,6 +165,8 @@ def test_watch_once_shows_memory_and_samples_per_second(finished_run, tmp_path, 
         mib = r["memory"]["total"] / 1024**2
         assert f"{mib:.1f} MiB" in cells or f"{mib * 1024:.1f} KiB" in cells, (cells, r["memory"])
     assert f"samples/s {4 / last['_step_time_s']:.4g}" in out
+    for entry in _lines(run):  # the peak is never below the RSS measured with it
+        assert all(r["memory"]["process_peak_rss"] >= r["memory"]["process_rss"] for r in entry["_ranks"]), entry
 
 
 def test_watch_and_plot_read_a_run_on_s3(finished_run, s3, tmp_path, capsys):  # noqa: F811
@@ -204,6 +220,47 @@ def test_plot_writes_decodable_pngs_of_the_history(finished_run, tmp_path, capsy
     # run.json records the batch per step (micro-batch 2 x 2 ranks): samples/s, not steps/s.
     assert json.loads((finished_run / "run.json").read_text())["samples_per_step"] == 4
     assert [line.get_label() for ax in throughput for line in ax.get_lines()] == ["samples/s", "tokens/s"]
+
+
+def test_a_report_after_the_loop_is_not_read_as_a_step(finished_run, tmp_path, capsys):
+    """The sample after the loop took no optimizer step: it is marked so (``_steps`` 0, no step time),
+    and watch and plot take the steps, step times and throughput from the training steps only."""
+    from zeroray.monitoring import plot
+
+    lines = _lines(finished_run)
+    sample = lines[-1]
+    assert sample["sample"] == "text after the loop" and len(lines) == STEPS + 1
+    assert (sample["_global_step"], sample["_steps"], sample["_step_time_s"]) == (STEPS, 0, None)
+    assert [(r["steps"], r["step_time_s"]) for r in sample["_ranks"]] == [(0, None), (0, None)]
+    assert [e["_steps"] for e in lines[:-1]] == [1] * STEPS
+    assert all(e["_step_time_s"] > 0 for e in lines[1:-1])
+
+    history = run_history.HistoryReader(str(finished_run)).read()
+    assert (history.reports, history.entries) == (lines, lines[:-1])
+    assert history.steps() == list(range(1, STEPS + 1)) and history.after_last_step() == [sample]
+    # The throughput line ends at the last step, at its own rate (the first report has no step time yet).
+    line = plot._throughput(history).axes[0].get_lines()[0]
+    assert list(line.get_xdata()) == list(range(2, STEPS + 1))
+    assert list(line.get_ydata()) == [4 / e["_step_time_s"] for e in lines[1:-1]]
+
+    run = tmp_path / "watched"
+    shutil.copytree(finished_run, run)
+    assert main(["watch", "--once", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert f"samples/s {4 / lines[-2]['_step_time_s']:.4g}" in out, out
+
+
+def test_a_resume_with_no_step_left_appends_nothing(finished_run, tmp_path):
+    """A new fit() of the finished run resumes from its checkpoint at the last step, trains no step and
+    reports only the sample: metrics.jsonl stays as it was; the Result has the sample."""
+    run = tmp_path / "runs" / "watched"
+    shutil.copytree(finished_run, run)
+    before = (run / "metrics.jsonl").read_bytes()
+    result = _trainer(tmp_path, "watched").fit()
+    assert result.error is None
+    assert [(h["_global_step"], h["_steps"], h["sample"]) for h in result.metrics_history] == [
+        (STEPS, 0, "text after the loop")]
+    assert (run / "metrics.jsonl").read_bytes() == before
 
 
 def test_a_restarted_run_shows_its_second_attempt(ray_cluster, tmp_path, capsys):

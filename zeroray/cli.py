@@ -391,7 +391,7 @@ def _watch(run_url: str, interval_s: float, once: bool, options: dict[str, Any])
     else:
         shown = None
         for history in follow(reader, interval_s):
-            version = (len(history.entries), history.status, history.info.get("attempts"))
+            version = (len(history.reports), history.status, history.info.get("attempts"))
             if version != shown:  # not on every rewrite of run.json: the driver rewrites it every poll
                 shown = version
                 console.print(render(history))

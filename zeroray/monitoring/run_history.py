@@ -5,6 +5,10 @@ The driver writes ``run.json`` (status, attempts, world size; replaced atomicall
 under ``_ranks``) to ``<storage_path>/<name>/`` at any fsspec URL (zeroray/train/storage.py). This
 module reads them with fsspec only: it imports neither Ray nor torch, so the commands start fast on a
 laptop that only has the run's URL.
+
+A report that took no optimizer step since the previous one (``_steps`` 0: a text sample or a final
+evaluation after the loop) is no training step: the steps, step times and throughput come from the
+other reports only, and it is kept aside (:attr:`RunHistory.reports` holds every line).
 """
 
 from __future__ import annotations
@@ -32,6 +36,12 @@ class NoHistoryError(StorageError):
     """The run has not reported yet (no line in ``metrics.jsonl``)."""
 
 
+def is_step(entry: dict[str, Any]) -> bool:
+    """Whether a report of the history took an optimizer step (a line without ``_steps``, written
+    before zeroray recorded it, counts as one)."""
+    return entry.get("_steps") != 0
+
+
 def number(value: Any) -> float | None:
     """A finite float, or None for anything else (bools, strings, NaN, a missing value)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
@@ -42,11 +52,13 @@ def number(value: Any) -> float | None:
 
 @dataclass
 class RunHistory:
-    """What has been read of one run: ``info`` is run.json, ``entries`` the reports in order."""
+    """What has been read of one run: ``info`` is run.json, ``entries`` the reports that took a
+    training step, in order (what the steps, step times and plots read), ``reports`` every report."""
 
     url: str
     info: dict[str, Any]
     entries: list[dict[str, Any]] = field(default_factory=list)
+    reports: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def name(self) -> str:
@@ -62,13 +74,24 @@ class RunHistory:
 
     @property
     def latest(self) -> dict[str, Any] | None:
+        """The latest report that took a training step."""
         return self.entries[-1] if self.entries else None
 
+    def after_last_step(self) -> list[dict[str, Any]]:
+        """The reports since the latest training step that took none (a sample after the loop)."""
+        out: list[dict[str, Any]] = []
+        for entry in reversed(self.reports):
+            if is_step(entry):
+                break
+            out.append(entry)
+        return out[::-1]
+
     def require_reports(self) -> RunHistory:
-        """This history, or a :class:`NoHistoryError` when the run has not reported yet."""
+        """This history, or a :class:`NoHistoryError` when the run has not reported a step yet."""
         if not self.entries:
             raise NoHistoryError(
-                f"run {self.name!r} at {self.url} has no history yet: no report in {HISTORY} (status {self.status})"
+                f"run {self.name!r} at {self.url} has no history yet: no training step reported in {HISTORY} "
+                f"(status {self.status})"
             )
         return self
 
@@ -183,9 +206,12 @@ class HistoryReader:
             for line in whole.splitlines():
                 if line.strip():
                     try:
-                        self.history.entries.append(json.loads(line))
+                        entry = json.loads(line)
                     except json.JSONDecodeError as e:
                         raise StorageError(f"{self.url}/{HISTORY}: a line is not JSON: {e}") from e
+                    self.history.reports.append(entry)
+                    if is_step(entry):
+                        self.history.entries.append(entry)
             self._offset += len(whole)
         return self.history
 

@@ -51,7 +51,7 @@ def _summary(history: RunHistory, now: float) -> Text:
     text.append(history.status, style=_STATUS_STYLE.get(history.status, ""))
     world = len(latest.get("_ranks") or ()) or info.get("num_workers")
     parts = [f"attempt {info.get('attempts', '-')}", f"world size {world or '-'}",
-             f"reports {len(history.entries)}"]
+             f"reports {len(history.reports)}"]
     if history.entries:
         parts += [f"step {history.steps()[-1]}", f"elapsed {history.elapsed_s()[-1]:.1f} s"]
     updated = number(info.get("updated_at"))
@@ -77,6 +77,22 @@ def _metrics_line(history: RunHistory) -> Text:
     if tokens:
         parts.append(f"tokens/s {tokens[-1]:.4g}")
     return Text("metrics (rank 0): " + ("  ".join(parts) if parts else "-"))
+
+
+def _after_last_step(history: RunHistory) -> Text | None:
+    """What the loop reported after its latest step without taking one (a text sample, a final
+    evaluation): its numbers, and the names of the rest. Not a step: no step time, no throughput."""
+    later = history.after_last_step()
+    if not later:
+        return None
+    values: dict[str, str] = {}
+    for entry in later:
+        for k, v in entry.items():
+            if not k.startswith("_"):
+                x = number(v)
+                values[k] = f"{k} {_value(x)}" if x is not None else k
+    step = history.steps()[-1] if history.entries else "-"
+    return Text(f"reported after step {step}, not a training step: " + ("  ".join(values.values()) or "-"))
 
 
 def _rank_table(history: RunHistory) -> Table:
@@ -117,7 +133,8 @@ def render(history: RunHistory, now: float | None = None) -> RenderableType:
     now = time.time() if now is None else now
     if not history.entries:
         return Group(_summary(history, now), Text("waiting for the first report ..."))
-    return Group(_summary(history, now), _metrics_line(history), _rank_table(history))
+    after = _after_last_step(history)
+    return Group(_summary(history, now), _metrics_line(history), *([after] if after else []), _rank_table(history))
 
 
 def follow(reader: HistoryReader, interval_s: float) -> Iterator[RunHistory]:

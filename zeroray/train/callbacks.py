@@ -80,7 +80,8 @@ class MetricsFileCallback(ControllerCallback):
     """Appends reports to ``metrics.jsonl`` at most every few seconds, on restarts and at the end.
 
     Entries that could not be written (a full disk) stay pending and are retried; the file only ever
-    grows by whole lines.
+    grows by whole lines. A ``fit()`` that takes no optimizer step (a resume with nothing left to train)
+    adds no line: its reports (a text sample after the loop) are in ``Result.metrics_history`` only.
     """
 
     def __init__(self, storage: RunStorage, interval_s: float = HISTORY_WRITE_INTERVAL_S) -> None:
@@ -88,8 +89,10 @@ class MetricsFileCallback(ControllerCallback):
         self.pending: list[dict[str, Any]] = []
         self._last_write = float("-inf")
         self.error: str | None = None  # the last write error, for run.json
+        self.trained = False  # a report of this fit() took an optimizer step
 
     def after_report(self, report: Report, entry: dict[str, Any]) -> None:
+        self.trained = self.trained or report.is_step
         self.pending.append(entry)
         if time.monotonic() - self._last_write >= self.interval_s:
             self.flush()
@@ -103,6 +106,8 @@ class MetricsFileCallback(ControllerCallback):
 
     def flush(self) -> None:
         self._last_write = time.monotonic()
+        if not self.trained:
+            return
         try:
             self.storage.append_history(self.pending)
         except Exception as e:

@@ -15,14 +15,17 @@ from typing import Any
 @dataclass(frozen=True)
 class RankStats:
     """One rank at one report: its engine step (None without ``zt.prepare``), the wall time per
-    optimizer step since its previous report (None at the first), its memory by category, the
+    optimizer step since its previous report that took a step (None at the first, and in a report that
+    took none: a final sample or evaluation is no step to time), its memory by category, the
     engine's mean seconds per step by phase (``engine.phase_report()``), its bytes moved per
     collective kind (``engine.comm_report()``) and to or from its offload tiers (an engine's
     ``offload_report()``, keyed ``"<tier>:<direction>"``, when it offloads); ``checkpoint_s`` / ``checkpoint_bytes``: how long
     this report's checkpoint save blocked the loop and the bytes of this rank's shard (None when
     the report saved none; the driver's copy never has them, the save comes after the exchange);
     ``snapshot_s`` / ``snapshot_bytes``: the same for this report's in-memory snapshot
-    (``FailureConfig.snapshot_interval``), its copy to the buddy rank included."""
+    (``FailureConfig.snapshot_interval``), its copy to the buddy rank included; ``steps``: the optimizer
+    steps the engine took since the previous report (since ``zt.prepare`` at the first; 0 for a report
+    that is not a training step; None without an engine, where every report counts as one step)."""
 
     rank: int
     global_step: int | None
@@ -35,6 +38,7 @@ class RankStats:
     checkpoint_bytes: int | None = None
     snapshot_s: float | None = None
     snapshot_bytes: int | None = None
+    steps: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -55,16 +59,25 @@ class Report:
         return self.ranks[0].global_step if self.ranks else None
 
     @property
+    def is_step(self) -> bool:
+        """Whether the group took an optimizer step since its previous report: a report after the
+        loop (a text sample, a final evaluation) or of a resume with nothing left to train is not one,
+        and must not be read as a step (its time, its throughput)."""
+        return not self.ranks or self.ranks[0].steps != 0
+
+    @property
     def slowest_step_time_s(self) -> float | None:
         times = [r.step_time_s for r in self.ranks if r.step_time_s is not None]
         return max(times) if times else None
 
     def history_entry(self, started_at: float, attempt: int) -> dict[str, Any]:
-        """The row of the metrics history: the user's metrics plus zeroray's ``_``-prefixed fields."""
+        """The row of the metrics history: the user's metrics plus zeroray's ``_``-prefixed fields
+        (``_steps``: rank 0's optimizer steps since the previous report, 0 in a report that is no step)."""
         return {
             **self.metrics,
             "_report": self.index,
             "_global_step": self.global_step,
+            "_steps": self.ranks[0].steps if self.ranks else None,
             "_time_s": self.time - started_at,
             "_step_time_s": self.slowest_step_time_s,
             "_attempt": attempt,

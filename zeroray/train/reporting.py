@@ -30,12 +30,14 @@ from zeroray.train.report import RankStats, Report
 _DONE = "__zeroray_done__"
 
 
-def _process_rss_bytes() -> int:
-    return int(psutil.Process().memory_info().rss)
-
-
-def _process_peak_rss_bytes() -> int:
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+def process_memory() -> dict[str, int]:
+    """This process's resident memory now and its peak, in bytes, with ``process_peak_rss >=
+    process_rss``. The kernel's high-water mark (``ru_maxrss``, KiB on Linux) comes from approximate
+    per-CPU counters while /proc (psutil) sums them exactly, so read on its own it can lag the current
+    RSS by a few hundred KiB: the peak is never below what was just measured."""
+    rss = int(psutil.Process().memory_info().rss)
+    peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+    return {"process_rss": rss, "process_peak_rss": max(peak, rss)}
 
 
 def _plain(value: Any) -> Any:
@@ -48,13 +50,18 @@ def _plain(value: Any) -> Any:
 
 
 def _rank_stats(session: Session) -> RankStats:
-    """This rank's memory by category and time per optimizer step since its previous report."""
+    """This rank's memory by category, the optimizer steps since its previous report and their time
+    per step. A report with no step since the previous one (a sample after the loop) has no step time,
+    and the next step's time counts from the last report that took a step."""
     now = time.perf_counter()
     engine = session.engine
     global_step = int(getattr(engine, "global_step", 0)) if engine is not None else session.num_reports + 1
-    steps = max(global_step - session.last_global_step, 1)
-    step_time = (now - session.last_report_time) / steps if session.last_report_time is not None else None
-    session.last_report_time, session.last_global_step = now, global_step
+    steps = max(global_step - session.last_global_step, 1) if global_step != session.last_global_step else 0
+    step_time = None
+    if steps:
+        if session.last_report_time is not None:
+            step_time = (now - session.last_report_time) / steps
+        session.last_report_time, session.last_global_step = now, global_step
     memory: dict[str, int] = {}
     phases: dict[str, float] = {}
     comm: dict[str, int] = {}
@@ -73,8 +80,7 @@ def _rank_stats(session: Session) -> RankStats:
         memory["cuda_max_allocated"] = int(torch.cuda.max_memory_allocated(device))
     if session.snapshots is not None:
         memory["snapshots"] = session.snapshots.nbytes  # host copies held: this rank's and its buddies'
-    memory["process_rss"] = _process_rss_bytes()
-    memory["process_peak_rss"] = _process_peak_rss_bytes()
+    memory.update(process_memory())
     return RankStats(
         rank=session.context.get_world_rank(),
         global_step=global_step if engine is not None else None,
@@ -83,6 +89,7 @@ def _rank_stats(session: Session) -> RankStats:
         phases=phases,
         comm_bytes=comm,
         offload_bytes=offload,
+        steps=steps if engine is not None else None,
     )
 
 
