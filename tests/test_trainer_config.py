@@ -8,9 +8,22 @@ import pytest
 
 import zeroray.checkpoint as zc
 from tests.checkpoint_helpers import make_engine
-from zeroray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, ZeroTrainer
+from zeroray.train import (
+    CheckpointConfig,
+    ControllerCallback,
+    FailureConfig,
+    RunConfig,
+    ScalingConfig,
+    ZeroTrainer,
+)
 from zeroray.train.checkpoint_manager import Checkpoint, latest_checkpoint
 from zeroray.train.failure_policy import FailureDecision, FailurePolicy
+from zeroray.train.scaling_policy import (
+    BatchPlan,
+    ElasticScalingPolicy,
+    FixedScalingPolicy,
+    make_scaling_policy,
+)
 from zeroray.train.storage import RunStorage, StorageError
 from zeroray.train.worker_group import rank_layout
 
@@ -70,6 +83,29 @@ def test_run_config_checks(tmp_path):
     for bad in (0, -1, None):
         with pytest.raises(ValueError, match="lease_timeout_s"):
             RunConfig(lease_timeout_s=bad)
+
+
+class _Callback(ControllerCallback):
+    pass
+
+
+def test_run_config_callbacks_are_controller_callbacks():
+    cb = _Callback()
+    assert RunConfig().callbacks == [] and RunConfig(callbacks=(cb,)).callbacks == [cb]
+    for bad, says in (([object()], r"RunConfig.callbacks\[0\] must be a zeroray.train.ControllerCallback \(subclass it"),
+                      ([cb, _Callback], r"RunConfig.callbacks\[1\] is the class _Callback: pass an instance, _Callback\(\)"),
+                      (cb, "RunConfig.callbacks must be a list"), ([lambda *a: None], "got function")):
+        with pytest.raises(ValueError, match=says) as info:
+            RunConfig(callbacks=bad)
+        assert "\n" not in str(info.value)
+
+
+def test_a_scaling_policy_is_picked_by_make_scaling_policy():
+    fixed = make_scaling_policy(ScalingConfig(num_workers=2))
+    elastic = make_scaling_policy(ScalingConfig(num_workers=(1, 3)), BatchPlan("none"))
+    assert type(fixed) is FixedScalingPolicy and not fixed.elastic and fixed.plan == BatchPlan("none")
+    assert type(elastic) is ElasticScalingPolicy and elastic.elastic
+    assert fixed.decide_for_new_group().num_workers == 2 and fixed.decide_while_running(2) is None
 
 
 def test_trainer_rejects_bad_arguments_without_ray():

@@ -1,11 +1,18 @@
 """zeroray.train: the Ray layer. Driver side: ZeroTrainer and its configs. Worker side (inside the loop):
 get_context, prepare, report, get_dataset_shard — the same shape as ``ray.train``."""
 
+from zeroray.train.callbacks import ControllerCallback
 from zeroray.train.checkpoint_manager import Checkpoint
 from zeroray.train.config import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from zeroray.train.context import TrainContext, get_context
 from zeroray.train.dataset import get_dataset_shard
-from zeroray.train.errors import ReportMismatchError, RunLeaseError, TrainingFailedError, WorkerFailure
+from zeroray.train.errors import (
+    CallbackError,
+    ReportMismatchError,
+    RunLeaseError,
+    TrainingFailedError,
+    WorkerFailure,
+)
 from zeroray.train.preparation import prepare
 from zeroray.train.reporting import report
 from zeroray.train.result import Result
@@ -17,10 +24,12 @@ __all__ = [
     "RunConfig",
     "FailureConfig",
     "CheckpointConfig",
+    "ControllerCallback",
     "Result",
     "Checkpoint",
     "TrainContext",
     "TrainingFailedError",
+    "CallbackError",
     "ReportMismatchError",
     "RunLeaseError",
     "WorkerFailure",

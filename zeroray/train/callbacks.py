@@ -1,22 +1,29 @@
-"""The controller's side effects, one callback each, fired on state changes and on reports.
+"""The controller's callbacks: the interface, the built-ins, and the one list of them.
 
 The controller decides and dispatches (as Ray Train V2's ``_set_state`` does); everything that only
-observes the run lives here: the history that becomes ``Result.metrics_history``, the progress
-display, ``metrics.jsonl`` and ``run.json``. A rank's own side effects of a report (its Ray metrics)
-are :class:`ReportCallback` s run inside the rank. A storage hiccup in a callback is logged and never
-fails the run.
+observes the run is a :class:`ControllerCallback`: the history that becomes ``Result.metrics_history``,
+the progress display, ``metrics.jsonl``, ``run.json`` and the controller's Ray gauges. The controller
+runs the built-ins that :func:`default_callbacks` lists (``controller.py``), then the user's own from
+``RunConfig(callbacks=[...])``, in that order, for every event. A storage hiccup in a built-in is
+logged and never fails the run; an exception out of any hook fails it (:class:`~zeroray.train.errors.CallbackError`).
+
+A rank's own side effects of a report (its Ray metrics, a recovery point) are
+:class:`~zeroray.train.context.ReportCallback` s, run inside the rank; they are not user-registrable.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from zeroray.train import state as S
 from zeroray.train.progress import Progress
-from zeroray.train.report import RankStats, Report
+from zeroray.train.report import Report
 from zeroray.train.storage import RunStorage
+
+if TYPE_CHECKING:
+    from zeroray.train.result import Attempt
 
 logger = logging.getLogger(__name__)
 
@@ -24,30 +31,58 @@ HISTORY_WRITE_INTERVAL_S = 5.0  # metrics.jsonl and run.json while running (obje
 
 
 class ControllerCallback:
-    """Hooks of the driver's controller; the default does nothing."""
+    """Hooks of one ``fit()``'s controller: subclass it, override the hooks you need, and pass instances
+    in ``RunConfig(callbacks=[...])`` (Ray Train V2's ``UserCallback``). Every hook does nothing by default.
+
+    **Where they run**: in the driver process, in the thread that called ``fit()``, one after the other
+    between two polls of the group (about ten a second): never in a rank. A slow hook delays the next
+    poll (the ranks train on meanwhile), so hand long work to a thread of your own. Nothing is pickled:
+    a callback may hold a lock, a file or a client.
+
+    **Order**: for each event, the built-ins (``default_callbacks``) first, then ``RunConfig.callbacks``
+    in list order. A fit's events come in this order::
+
+        after_state_change(None, INITIALIZING)
+        after_state_change(INITIALIZING, SCHEDULING)
+        after_attempt_start(attempt)                 # a group started (or failed to start)
+        after_state_change(SCHEDULING, RUNNING)
+        after_report(report, entry) ...              # each zt.report, in order
+        after_state_change(RUNNING, RUNNING) ...     # at every poll, between the reports
+        after_attempt_end(attempt)                   # end="finished"
+        after_state_change(RUNNING, FINISHED)
+
+    A failure the failure policy restarts goes ``after_attempt_end`` ("failure"), RESTARTING,
+    SCHEDULING, ``after_attempt_start`` of the next attempt; a planned resize goes through RESIZING.
+    The run ends in FINISHED, ERRORED or ABORTED (Ctrl-C), always with an ``after_state_change``.
+
+    **Errors**: an exception out of a hook fails the run: the group is torn down, the controller
+    moves to ERRORED (``run.json`` says so) and ``fit()`` raises
+    :class:`~zeroray.train.errors.CallbackError`, naming the callback and the hook, with the hook's
+    exception as its ``__cause__``; the failure policy does not restart it. Catch inside the hook what may
+    fail and should not end the run. Once the run is already ending in ERRORED or ABORTED, a hook's
+    exception is logged and the original error is what ``fit()`` raises.
+    """
 
     def after_state_change(self, previous: S.ControllerState | None, current: S.ControllerState) -> None:
-        """The controller moved from ``previous`` (None at the start) to ``current``."""
+        """The controller moved from ``previous`` (None at the start) to ``current`` (``zeroray.train.state``:
+        ``current.type`` is a ``StateType``; ``Scheduling.decision`` / ``Resizing.decision`` the world size,
+        ``Restarting.failures``, ``Errored.error``). RUNNING -> RUNNING comes at every poll; compare the
+        types for a real change."""
 
     def after_report(self, report: Report, entry: dict[str, Any]) -> None:
-        """A report of the group arrived; ``entry`` is its row of the metrics history."""
+        """A ``zt.report`` of the group arrived (``zeroray.train.report.Report``: ``index``, ``time``,
+        ``metrics`` as rank 0 gave them, ``ranks``: every rank's ``RankStats``); ``entry`` is its row of
+        ``Result.metrics_history`` (the metrics plus ``_report``, ``_global_step``, ``_time_s``, ...).
+        Treat both as read-only: the built-ins keep them."""
 
-    def after_attempt_start(self, attempt: Any) -> None:
-        """A group started (``zeroray.train.result.Attempt``: index, world size, the step it resumes from)."""
+    def after_attempt_start(self, attempt: Attempt) -> None:
+        """A group started, or tried to (``zeroray.train.result.Attempt``: ``index``, ``world_size``,
+        ``start_step``, the step it resumes from). The controller fills in the same object as the
+        attempt goes on."""
 
-    def after_attempt_end(self, attempt: Any) -> None:
-        """A group ended; ``attempt.end`` says why: "finished", "failure" (``rank``, ``node``),
-        "resize_up" / "resize_down" (a planned resize), "aborted", "errored"."""
-
-
-class ReportCallback:
-    """Hooks of one rank's ``zt.report``, run in the rank's process after the barrier."""
-
-    def after_report(self, metrics: dict[str, Any], stats: RankStats, num_reports: int) -> None:
-        """This rank's view of the report: rank 0's metrics on rank 0 (else this rank's), its stats."""
-
-    def close(self) -> None:
-        """The rank leaves its group (its actor may be kept for the next group, as another rank)."""
+    def after_attempt_end(self, attempt: Attempt) -> None:
+        """A group ended; ``attempt.end`` says why: "finished", "failure" (``rank``, ``node``,
+        ``message``), "resize_up" / "resize_down" (a planned resize), "aborted", "errored"."""
 
 
 class HistoryCallback(ControllerCallback):
@@ -131,7 +166,7 @@ class RunInfoCallback(ControllerCallback):
                                      "num_reports": 0, "started_at": time.time(), "updated_at": None, "error": None,
                                      "samples_per_step": samples_per_step}
         self._last_write = float("-inf")
-        self.attempts: list[Any] = []
+        self.attempts: list[Attempt] = []
 
     def after_state_change(self, previous: S.ControllerState | None, current: S.ControllerState) -> None:
         changed = previous is None or previous.type != current.type
@@ -145,10 +180,10 @@ class RunInfoCallback(ControllerCallback):
         if changed or time.monotonic() - self._last_write >= self.interval_s:
             self.write()
 
-    def after_attempt_start(self, attempt: Any) -> None:
+    def after_attempt_start(self, attempt: Attempt) -> None:
         self.attempts.append(attempt)  # the controller fills it in (last step, end, steps lost); read at each write
 
-    def after_attempt_end(self, attempt: Any) -> None:
+    def after_attempt_end(self, attempt: Attempt) -> None:
         self.write()
 
     def after_report(self, report: Report, entry: dict[str, Any]) -> None:

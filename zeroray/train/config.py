@@ -242,6 +242,11 @@ class RunConfig:
     heartbeat the driver refreshes), so a second ``fit()`` with the same name and storage path refuses
     to start instead of interleaving checkpoints and history. A lease whose heartbeat is older than
     ``lease_timeout_s`` (its driver died) is taken over with a warning.
+
+    ``callbacks``: your own :class:`~zeroray.train.ControllerCallback` instances (Ray Train's
+    ``RunConfig(callbacks=[...])``), run in the driver after the built-in ones, in list order, on every
+    state change, report and attempt start and end; an exception out of one fails the run
+    (``zeroray.train.CallbackError``). See ``ControllerCallback`` for the hooks and docs/ray-layer.md.
     """
 
     name: str = field(default_factory=_default_name)
@@ -251,6 +256,7 @@ class RunConfig:
     checkpoint_config: CheckpointConfig = field(default_factory=CheckpointConfig)
     progress_bar: bool | None = None
     lease_timeout_s: float = 60.0
+    callbacks: list[Any] = field(default_factory=list)  # ControllerCallback (callbacks.py, which imports this module)
 
     def __post_init__(self) -> None:
         if not _is_number(self.lease_timeout_s) or not self.lease_timeout_s > 0:
@@ -274,4 +280,25 @@ class RunConfig:
             raise ValueError(
                 f"RunConfig.checkpoint_config must be a CheckpointConfig, got {self.checkpoint_config!r}"
             )
+        self._check_callbacks()
+
+    def _check_callbacks(self) -> None:
+        # Imported here: callbacks.py imports the controller's states, which import this module.
+        from zeroray.train.callbacks import ControllerCallback
+
+        if not isinstance(self.callbacks, (list, tuple)):
+            raise ValueError(
+                f"RunConfig.callbacks must be a list of zeroray.train.ControllerCallback, got {self.callbacks!r:.80}"
+            )
+        for i, callback in enumerate(self.callbacks):
+            if isinstance(callback, type) and issubclass(callback, ControllerCallback):
+                raise ValueError(
+                    f"RunConfig.callbacks[{i}] is the class {callback.__name__}: pass an instance, {callback.__name__}()"
+                )
+            if not isinstance(callback, ControllerCallback):
+                raise ValueError(
+                    f"RunConfig.callbacks[{i}] must be a zeroray.train.ControllerCallback (subclass it and override "
+                    f"the hooks you need), got {type(callback).__name__}: {callback!r:.80}"
+                )
+        self.callbacks = list(self.callbacks)
 

@@ -12,12 +12,23 @@ import os
 import queue
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from zeroray.config_loader import ConfigArg
 from zeroray.train.config import CheckpointConfig
+from zeroray.train.report import RankStats, Report
 from zeroray.train.run_spec import RunSpec
+from zeroray.train.scaling_policy import BatchSizes
+
+if TYPE_CHECKING:
+    from ray.data import DataIterator
+
+    from zeroray.checkpoint import AsyncSaver
+    from zeroray.checkpoint.snapshot import SnapshotStore
+    from zeroray.engine.comm import Comm
+    from zeroray.engine.engine import ZeroEngine
 
 
 @dataclass(frozen=True)
@@ -40,7 +51,7 @@ class TrainContext:
     storage_path: str
     device: torch.device
     trial_dir: str = ""
-    batch: Any = None  # scaling_policy.BatchSizes of this group, when the batch sizes are known
+    batch: BatchSizes | None = None  # this group's batch sizes, when they are known
 
     def get_world_size(self) -> int:
         return self.rank_info.world_size
@@ -89,6 +100,18 @@ class TrainContext:
         return range(start, start + b.micro_batch_size)
 
 
+class ReportCallback:
+    """Hooks of one rank's ``zt.report``, run in the rank's process (the loop's thread) after the report's
+    exchange; the rank actor installs them (``Session.report_callbacks``: its Ray metrics, the recovery
+    point of an elastic run). The default does nothing."""
+
+    def after_report(self, metrics: dict[str, Any], stats: RankStats, num_reports: int) -> None:
+        """This rank's view of the report: rank 0's metrics on rank 0 (else this rank's), its stats."""
+
+    def close(self) -> None:
+        """The rank leaves its group (its actor may be kept for the next group, as another rank)."""
+
+
 @dataclass
 class Session:
     """Mutable per-rank state shared by prepare/report/get_dataset_shard and the hosting actor.
@@ -100,40 +123,40 @@ class Session:
 
     context: TrainContext
     spec: RunSpec
-    dataset_shards: dict[str, Any]
-    report_comm: Any  # zeroray.engine.Comm over the gloo side group: report barriers, resume choice
-    report_callbacks: list[Any] = field(default_factory=list)
-    reports: queue.Queue = field(default_factory=queue.Queue)
-    _engine: Any = field(default=None, repr=False)
+    dataset_shards: dict[str, DataIterator]  # this rank's streaming split of each of the trainer's datasets
+    report_comm: Comm  # over the gloo side group: report barriers, resume choice
+    report_callbacks: list[ReportCallback] = field(default_factory=list)
+    reports: queue.Queue[Report] = field(default_factory=queue.Queue)  # rank 0's, until the driver polls
+    _engine: ZeroEngine | None = field(default=None, repr=False)
     num_reports: int = 0
-    waiting_in: str | None = None
+    waiting_in: Literal["report", "end"] | None = None
     last_report_time: float | None = None
     last_global_step: int = 0
-    checkpoint_saver: Any = None  # the rank's zeroray.checkpoint.AsyncSaver, from its first async save
+    checkpoint_saver: AsyncSaver | None = None  # from the rank's first async save
     elastic: bool = False  # the ranks agree at each report whether to stop at a recovery point
     stop_requested: bool = False  # the driver asked for a recovery point (a planned resize)
     last_saved_step: int | None = None  # global step of this engine's newest save
     checkpoint_load: tuple[float, int] | None = None  # (seconds, bytes) of the resume load, for the metrics
     engine_ready_at: float | None = None  # time.time() when zt.prepare built the engine (before its resume load)
-    snapshots: Any = None  # the rank actor's zeroray.checkpoint.snapshot.SnapshotStore (snapshot_interval > 0)
+    snapshots: SnapshotStore | None = None  # the rank actor's, kept across groups (snapshot_interval > 0)
     snapshot_group: tuple[str, list[int]] | None = None  # this group's id and its ranks' node ranks
     last_snapshot_step: int | None = None
-    resumed: tuple[str, int] | None = None  # where zt.prepare's resume came from: ("memory" | "storage", step)
+    resumed: tuple[Literal["memory", "storage"], int] | None = None  # where zt.prepare's resume came from, and its step
 
     @property
-    def engine(self) -> Any:
+    def engine(self) -> ZeroEngine | None:
         """The engine ``zt.prepare`` built (None before)."""
         return self._engine
 
     @engine.setter
-    def engine(self, engine: Any) -> None:
+    def engine(self, engine: ZeroEngine | None) -> None:
         # Stamped here, where zt.prepare hands the engine over, so a (re)start's time splits into building the
         # model and engine, reading the checkpoint and the first step (Attempt.phases).
         self._engine = engine
         self.engine_ready_at = time.time() if engine is not None else None
 
     @property
-    def zero_config(self) -> Any:
+    def zero_config(self) -> ConfigArg:
         """The trainer's config, with this group's batch sizes when the run is elastic (the accumulation
         follows the world size)."""
         return with_batch(self.spec.zero_config, self.context.batch)
@@ -148,7 +171,7 @@ class Session:
         return self.spec.checkpoint_config
 
 
-def with_batch(config: Any, batch: Any) -> Any:
+def with_batch(config: ConfigArg, batch: BatchSizes | None) -> ConfigArg:
     """``config`` (a ZeroConfig, a DeepSpeed dict or JSON path, or None) with ``batch``'s sizes set."""
     if batch is None:
         return config

@@ -2,9 +2,10 @@
 
 It decides and dispatches, in the shape of Ray Train V2's controller: each state has one handler
 returning the next state (see state.py for the graph); ``_set_state`` fires the callbacks, which hold
-every side effect (history, progress, metrics.jsonl, run.json; callbacks.py); reports go to the same
-callbacks. Policies decide, the controller acts: the scaling policy says how big the next group is and,
-while RUNNING, whether to resize; the failure policy whether a failure restarts the group. A
+every side effect (history, progress, metrics.jsonl, run.json, Ray gauges: :func:`default_callbacks`;
+then the user's ``RunConfig.callbacks``); reports go to the same callbacks. Policies decide, the
+controller acts: the scaling policy says how big the next group is and, while RUNNING, whether to
+resize; the failure policy whether a failure restarts the group. A
 (re)started group resumes from the run's newest committed checkpoint by itself (``zt.prepare``); the
 controller reads storage only to log it, to record where each attempt starts and to fill
 ``Result.checkpoint``. It lives in the driver process, so Ctrl-C reaches it directly and tears the
@@ -42,9 +43,11 @@ from zeroray.train.callbacks import (
     RunInfoCallback,
 )
 from zeroray.train.checkpoint_manager import latest_checkpoint
-from zeroray.train.errors import Failure, StartFailure, TrainingFailedError, WorkerFailure
+from zeroray.train.controller_metrics import ControllerMetrics
+from zeroray.train.errors import CallbackError, Failure, StartFailure, TrainingFailedError, WorkerFailure
 from zeroray.train.failure_policy import FailureDecision, FailurePolicy
 from zeroray.train.lease import RunLease
+from zeroray.train.poll import PollStatus
 from zeroray.train.progress import Progress
 from zeroray.train.report import Report
 from zeroray.train.result import Attempt, Result
@@ -78,8 +81,24 @@ SURVIVOR_RELEASE_AFTER_HANG_S = 10.0
 SPARE_START_WAIT_S = 60.0
 
 
+def default_callbacks(spec: RunSpec, storage: RunStorage) -> list[ControllerCallback]:
+    """The built-in callbacks of a fit, in the order they run (``RunConfig.callbacks`` run after them): the
+    history that becomes ``Result.metrics_history``, the progress display, ``metrics.jsonl``, ``run.json``
+    and the controller's Ray gauges. A new built-in is a :class:`ControllerCallback` and one line here."""
+    metrics_file = MetricsFileCallback(storage)
+    return [
+        HistoryCallback(),
+        ProgressCallback(Progress(spec.progress_bar, spec.samples_per_step)),
+        metrics_file,
+        RunInfoCallback(storage, metrics_file, samples_per_step=spec.samples_per_step),
+        ControllerMetrics(spec.name),
+    ]
+
+
 class Controller:
-    """Drives one ``fit()``. Use :meth:`run`; it always leaves no actor or placement group behind."""
+    """Drives one ``fit()``. Use :meth:`run`; it always leaves no actor or placement group behind.
+
+    ``callbacks``: the user's (``RunConfig.callbacks``), run after :func:`default_callbacks`."""
 
     def __init__(
         self,
@@ -107,15 +126,9 @@ class Controller:
         self.attempt_history: list[Attempt] = []
         self._batch: Any = None  # the last group's BatchSizes
         self._t0 = time.time()
-        self.history = HistoryCallback()
-        metrics_file = MetricsFileCallback(storage)
-        self.callbacks: list[ControllerCallback] = [
-            self.history,
-            ProgressCallback(Progress(spec.progress_bar, spec.samples_per_step)),
-            metrics_file,
-            RunInfoCallback(storage, metrics_file, samples_per_step=spec.samples_per_step),
-            *(callbacks or []),
-        ]
+        self.callbacks: list[ControllerCallback] = [*default_callbacks(spec, storage), *(callbacks or [])]
+        self.history = next(c for c in self.callbacks if isinstance(c, HistoryCallback))
+        self._ending_badly = False  # ERRORED / ABORTED under way: a hook's exception is logged, not raised
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> Result:
@@ -128,14 +141,18 @@ class Controller:
                     self._shutdown_group()  # the group is gone before run.json says how it ended
                 self._set_state(following)
         except KeyboardInterrupt:
+            self._ending_badly = True
             self._shutdown_group()
             self._end_attempt("aborted")
             self._set_state(S.Aborted())
             raise
-        except Exception as e:  # the driver's own error: still end ERRORED in run.json, then raise it
+        except Exception as e:  # a callback's or the driver's own error: end ERRORED in run.json, then raise it
+            self._ending_badly = True
             self._shutdown_group()
             self._end_attempt("errored", message=f"{type(e).__name__}: {e}")
             logger.error("zeroray: the controller failed:\n%s", traceback.format_exc())
+            if isinstance(e, CallbackError):
+                e.result = self._result(e)
             self._set_state(S.Errored(e))
             raise
         finally:
@@ -148,8 +165,22 @@ class Controller:
         previous, self.state = self.state, state
         self.states.append(state.type)
         logger.debug("zeroray controller: %s -> %s", previous, state)
+        if isinstance(state, S.Errored | S.Aborted):
+            self._ending_badly = True  # a TrainingFailedError too: it stays what fit() raises
+        self._fire("after_state_change", previous, state)
+
+    def _fire(self, hook: str, *args: Any) -> None:
+        """Run ``hook`` of every callback, in order. An exception out of one fails the run (CallbackError, which
+        the controller's ``run`` turns into ERRORED); once the run ends in ERRORED / ABORTED anyway, it is
+        logged and the other callbacks still run."""
         for callback in self.callbacks:
-            callback.after_state_change(previous, state)
+            try:
+                getattr(callback, hook)(*args)
+            except Exception as e:
+                if not self._ending_badly:
+                    raise CallbackError(callback, hook, e) from e
+                logger.error("zeroray: callback %s.%s raised while the run ended:\n%s", type(callback).__name__,
+                             hook, traceback.format_exc())
 
     def _step(self, state: S.ControllerState) -> S.ControllerState:
         if isinstance(state, S.Initializing):
@@ -343,7 +374,7 @@ class Controller:
         self._prestart_s = time.monotonic() - start
         return None
 
-    def _poll_group(self, timeout_s: float) -> Any:
+    def _poll_group(self, timeout_s: float) -> PollStatus:
         """One poll of the group; its reports go to the callbacks, rank 0's start-up timings to the attempt."""
         assert self.group is not None
         status = self.group.poll(timeout_s=timeout_s)
@@ -367,8 +398,7 @@ class Controller:
         if self.attempt_history and report.ranks and report.ranks[0].global_step is not None:
             self.attempt_history[-1].last_step = report.ranks[0].global_step
         entry = report.history_entry(self._t0, self.attempt)
-        for callback in self.callbacks:
-            callback.after_report(report, entry)
+        self._fire("after_report", report, entry)
 
     def _collect_failures(self, failures: list[WorkerFailure]) -> list[Failure]:
         """When only ranks hurt by a peer's failure have reported so far, wait briefly for the root cause (after a
@@ -442,8 +472,7 @@ class Controller:
             _count_lost(self.attempt_history[-1], start_step)
         attempt = Attempt(index=self.attempt, world_size=world_size, start_step=start_step, started_at=time.time())
         self.attempt_history.append(attempt)
-        for callback in self.callbacks:
-            callback.after_attempt_start(attempt)
+        self._fire("after_attempt_start", attempt)
 
     def _end_attempt(self, end: str, rank: int | None = None, node: str | None = None,
                      message: str | None = None) -> None:
@@ -454,8 +483,7 @@ class Controller:
         attempt.ended_at = time.time()
         if end == "finished":
             attempt.steps_lost = 0
-        for callback in self.callbacks:
-            callback.after_attempt_end(attempt)
+        self._fire("after_attempt_end", attempt)
 
     def _resume_step(self) -> int:
         """The step a new group resumes from: the newest committed checkpoint's (0: none)."""

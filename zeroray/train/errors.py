@@ -124,6 +124,21 @@ def _order(f: Failure) -> tuple[int, int, int]:
     return (1, 0, 0)
 
 
+class CallbackError(RuntimeError):
+    """A callback's hook raised (``RunConfig.callbacks`` or a built-in): the run failed. ``callback`` is the
+    callback object, ``hook`` the hook's name, ``__cause__`` the hook's exception; ``result`` is the Result
+    up to the failure (its ``error`` is this exception). The failure policy does not restart such a run."""
+
+    def __init__(self, callback: object, hook: str, error: BaseException) -> None:
+        self.callback, self.hook = callback, hook
+        self.result: Result | None = None
+        super().__init__(
+            f"zeroray training failed (callback): {type(callback).__name__}.{hook} raised "
+            f"{type(error).__name__}: {error} (an exception out of a callback's hook fails the run; catch inside "
+            f"the hook what should not)"
+        )
+
+
 class ReportMismatchError(RuntimeError):
     """Ranks called ``zt.report`` a different number of times (it is a barrier, like Ray Train's)."""
 

@@ -30,9 +30,12 @@ from zeroray.engine import Comm, import_before_group
 from zeroray.train import checkpoint_manager, rendezvous
 from zeroray.train.context import RankInfo, Session, TrainContext, set_session
 from zeroray.train.errors import WorkerFailure, is_collective_error, is_collective_timeout
+from zeroray.train.poll import PollAnswer
 from zeroray.train.priority import threads_niceness, to_normal_priority
 from zeroray.train.recovery_point import RecoveryPointReached
+from zeroray.train.report import Report
 from zeroray.train.run_spec import RunSpec
+from zeroray.train.scaling_policy import BatchSizes
 
 # How long release lets rank 0's async save commit by itself before it stops the commit's wait for a peer.
 COMMIT_GRACE_S = 1.0
@@ -117,7 +120,7 @@ class RankActor:
         return rendezvous.node_address(), rendezvous.free_port()
 
     def setup(self, master_addr: str, master_port: int, info: RankInfo, spec: RunSpec,
-              dataset_shards: dict[str, Any], batch: Any = None, elastic: bool = False) -> None:
+              dataset_shards: dict[str, Any], batch: BatchSizes | None = None, elastic: bool = False) -> None:
         """Join the process group as ``info``'s rank and build this rank's session. ``batch``: this group's
         BatchSizes (elastic runs); ``elastic``: agree on recovery points at each report."""
         if self.thread is not None:
@@ -182,10 +185,10 @@ class RankActor:
         finally:
             self.done = True
 
-    def poll(self) -> dict[str, Any]:
+    def poll(self) -> PollAnswer:
         """Reports queued since the last poll, and whether the loop ended or failed."""
         done, failure = self.done, self.failure  # read first: every report of a done loop is queued by now
-        reports = []
+        reports: list[Report] = []
         if self.session is not None:
             q = self.session.reports
             while not q.empty():
@@ -195,8 +198,8 @@ class RankActor:
             self.timings_sent = True
             timings = self._startup_timings(reports[0].time)
             resumed = self.session.resumed
-        return {"reports": reports, "done": done, "failure": failure, "stopped": self.stopped and done,
-                "stopped_at": self.stopped_at, "timings": timings, "resumed": resumed}
+        return PollAnswer(reports=tuple(reports), done=done, failure=failure, stopped=self.stopped and done,
+                          stopped_at=self.stopped_at, timings=timings, resumed=resumed)
 
     def _startup_timings(self, first_report_at: float) -> dict[str, float]:
         """Seconds from the loop's start to its first report: building the model and engine (until zt.prepare

@@ -20,7 +20,7 @@ from typing import Any
 
 from zeroray.monitoring import flops
 from zeroray.monitoring import metrics as M
-from zeroray.train.callbacks import ReportCallback
+from zeroray.train.context import ReportCallback
 from zeroray.train.gauges import GaugeSet
 from zeroray.train.report import RankStats
 from zeroray.train.reporting import finite_or_none

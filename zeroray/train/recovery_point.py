@@ -15,8 +15,7 @@ import time
 from typing import Any
 
 from zeroray.train import checkpoint_manager
-from zeroray.train.callbacks import ReportCallback
-from zeroray.train.context import Session
+from zeroray.train.context import ReportCallback, Session
 from zeroray.train.report import RankStats, Report
 
 

@@ -1,11 +1,16 @@
 """Scaling policy: how many ranks the next group gets, with what batch arithmetic, and when to resize.
 
+(Elastic sizing only; the fp16 loss scale is the engine's loss scaler, ``zeroray/engine/loss_scaler.py``.)
+
 ``FixedScalingPolicy`` always answers ``num_workers``. ``ElasticScalingPolicy`` (``num_workers=(min,
 max)``, after Ray Train V2's) counts the workers the cluster's live nodes can hold, takes the largest
 *feasible* size (one the batch rule allows, :class:`BatchPlan`) between min and max, and while the
 group runs asks again every ``elastic_resize_monitor_interval_s``: the controller resizes when the
 answer differs. A failed group is restarted at whatever is there now (shrinking instead of waiting
 for a lost node), a grown cluster is used at the next check.
+
+A new policy is a :class:`ScalingPolicy` subclass (the two ``decide_*`` methods; ``elastic = True`` when
+its sizes may change while the run goes on) and one line in :func:`make_scaling_policy`.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -142,14 +148,15 @@ class ScalingDecision:
 
 
 class ScalingPolicy(ABC):
-    """Base: decisions for a group about to start and for a running one."""
+    """Base: decisions for a group about to start and for a running one. ``plan``: the batch arithmetic a
+    size gets (``BatchPlan("none")``: the ranks keep the config as given). ``elastic``: the group's size
+    may change while it runs (one placement group per rank, recovery points at each report)."""
 
-    def __init__(self, scaling_config: ScalingConfig) -> None:
+    elastic: bool = False
+
+    def __init__(self, scaling_config: ScalingConfig, plan: BatchPlan | None = None) -> None:
         self.scaling_config = scaling_config
-
-    @property
-    def elastic(self) -> bool:
-        return False
+        self.plan = plan if plan is not None else BatchPlan("none")
 
     @abstractmethod
     def decide_for_new_group(self, settled: bool = False, held: int = 0) -> ScalingDecision:
@@ -193,14 +200,11 @@ def _available_per_node() -> dict[str, dict[str, float]]:
 class ElasticScalingPolicy(ScalingPolicy):
     """Between ``min_workers`` and ``max_workers``: the largest feasible size the live nodes hold."""
 
-    def __init__(self, scaling_config: ScalingConfig, plan: BatchPlan) -> None:
-        super().__init__(scaling_config)
-        self.plan = plan
-        self._last_check = time.monotonic()
+    elastic = True
 
-    @property
-    def elastic(self) -> bool:
-        return True
+    def __init__(self, scaling_config: ScalingConfig, plan: BatchPlan | None = None) -> None:
+        super().__init__(scaling_config, plan)
+        self._last_check = time.monotonic()
 
     def largest_feasible(self, available: int) -> int | None:
         """The largest size the batch rule allows in [min, min(max, available)], or None."""
@@ -244,8 +248,14 @@ class ElasticScalingPolicy(ScalingPolicy):
         return self.decision(size)
 
 
+# Which policy a ScalingConfig gets: the first whose test holds. A new policy is a subclass and one line here.
+SCALING_POLICIES: tuple[tuple[Callable[[ScalingConfig], bool], type[ScalingPolicy]], ...] = (
+    (lambda sc: sc.elasticity_enabled, ElasticScalingPolicy),  # num_workers=(min, max)
+    (lambda sc: True, FixedScalingPolicy),
+)
+
+
 def make_scaling_policy(scaling_config: ScalingConfig, plan: BatchPlan | None = None) -> ScalingPolicy:
-    """The policy ``ScalingConfig`` asks for: elastic for ``num_workers=(min, max)``, else fixed."""
-    if scaling_config.elasticity_enabled:
-        return ElasticScalingPolicy(scaling_config, plan or BatchPlan("none"))
-    return FixedScalingPolicy(scaling_config)
+    """The policy ``scaling_config`` asks for (:data:`SCALING_POLICIES`), with the run's batch plan."""
+    policy = next(cls for applies, cls in SCALING_POLICIES if applies(scaling_config))
+    return policy(scaling_config, plan)

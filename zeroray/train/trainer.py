@@ -131,7 +131,6 @@ class ZeroTrainer:
         from zeroray.train.autoscaler_demand import AutoscalerDemand
         from zeroray.train.cluster import check_fits, ensure_ray
         from zeroray.train.controller import Controller
-        from zeroray.train.controller_metrics import ControllerMetrics
         from zeroray.train.failure_policy import FailurePolicy
         from zeroray.train.lease import RunLease
         from zeroray.train.scaling_policy import make_scaling_policy
@@ -159,7 +158,7 @@ class ZeroTrainer:
                 scaling_policy=scaling_policy,
                 failure_policy=FailurePolicy(rc.failure_config),
                 lease=lease,
-                callbacks=[ControllerMetrics(rc.name)],
+                callbacks=list(rc.callbacks),
             )
             if not self.scaling_config.elasticity_enabled:
                 return self._controller.run()

@@ -38,9 +38,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from zeroray.train.context import RankInfo
 from zeroray.train.errors import WorkerFailure
+from zeroray.train.poll import PollAnswer, PollStatus
 from zeroray.train.priority import RANK_RUNTIME_ENV
 from zeroray.train.rank_actor import RankActor, actor_name
-from zeroray.train.report import Report
 from zeroray.train.run_spec import RunSpec
 from zeroray.train.scaling_policy import ScalingDecision
 
@@ -65,27 +65,6 @@ class WorkerGroupStartError(RuntimeError):
 def placement_group_name(run: str, slot: str | None = None) -> str:
     """The group's placement group (fixed size); ``slot``: one rank's own (elastic runs)."""
     return f"zeroray:{run}" if slot is None else f"zeroray:{run}:slot-{slot}"
-
-
-@dataclass
-class PollStatus:
-    """What one poll of every rank found."""
-
-    reports: list[Report] = field(default_factory=list)
-    done: list[bool] = field(default_factory=list)
-    failures: list[WorkerFailure] = field(default_factory=list)
-    stopped: list[bool] = field(default_factory=list)  # the loop ended at a recovery point
-    stopped_at: int | None = None
-    timings: dict[str, float] | None = None  # rank 0's start-up seconds, with its first report
-    resumed: tuple[str, int] | None = None  # with them: what the group resumed from ("memory" | "storage", step)
-
-    @property
-    def finished(self) -> bool:
-        return bool(self.done) and all(self.done) and not self.failures and not any(self.stopped)
-
-    @property
-    def all_stopped(self) -> bool:
-        return bool(self.stopped) and all(self.stopped) and not self.failures
 
 
 def rank_layout(bundle_nodes: list[str]) -> tuple[list[int], list[RankInfo]]:
@@ -363,7 +342,7 @@ class WorkerGroup:
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s) if refs else ([], [])
         ready_set = set(ready)
         status = PollStatus()
-        answers: dict[int, dict[str, Any]] = {}
+        answers: dict[int, PollAnswer] = {}
         now = time.monotonic()
         for rank, ref in list(self._in_flight.items()):
             if ref not in ready_set:
@@ -380,17 +359,17 @@ class WorkerGroup:
                 continue
             self._last_answer[rank] = now
         for rank in sorted(answers):
-            out = answers[rank]
+            answer = answers[rank]
             if rank == 0:
-                status.reports.extend(out["reports"])
-                status.timings = out.get("timings")
-                status.resumed = out.get("resumed")
-            self._done[rank] = out["done"]
-            if out.get("stopped"):
+                status.reports.extend(answer.reports)
+                status.timings = answer.timings
+                status.resumed = answer.resumed
+            self._done[rank] = answer.done
+            if answer.stopped:
                 self._stopped[rank] = True
-                self._stopped_at = out.get("stopped_at")
-            if out["failure"] is not None:
-                status.failures.append(out["failure"])
+                self._stopped_at = answer.stopped_at
+            if answer.failure is not None:
+                status.failures.append(answer.failure)
         if self.hang_timeout_s is not None:
             for rank, last in enumerate(self._last_answer):
                 if rank not in self._gone and now - last > self.hang_timeout_s:
