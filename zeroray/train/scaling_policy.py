@@ -149,8 +149,9 @@ class ScalingDecision:
 
 class ScalingPolicy(ABC):
     """Base: decisions for a group about to start and for a running one. ``plan``: the batch arithmetic a
-    size gets (``BatchPlan("none")``: the ranks keep the config as given). ``elastic``: the group's size
-    may change while it runs (one placement group per rank, recovery points at each report)."""
+    size gets (``BatchPlan("none")``: the ranks keep the config as given). ``elastic``: the policy answers
+    sizes between ``min_workers`` and ``max_workers``, so a group that cannot be placed soon is retried at
+    what is free (its decisions say ``ScalingDecision.elastic``: a placement group per rank, recovery points)."""
 
     elastic: bool = False
 
