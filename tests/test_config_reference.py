@@ -1,4 +1,4 @@
-"""The README's DeepSpeed key reference is the table's: a key in one and not the other fails here."""
+"""docs/configuration.md's DeepSpeed key reference is the table's: a key in one and not the other fails here."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ from pathlib import Path
 from zeroray.config_reference import BEGIN, END, reference_markdown
 from zeroray.deepspeed_config import TABLE
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 
 
 def _readme_block() -> str:
     text = README.read_text(encoding="utf-8")
-    assert text.count(BEGIN) == 1 and text.count(END) == 1, "README lost its generated DeepSpeed key reference"
+    assert text.count(BEGIN) == 1 and text.count(END) == 1, "docs/configuration.md lost its generated DeepSpeed key reference"
     return text[text.index(BEGIN) : text.index(END) + len(END)]
 
 

@@ -134,7 +134,7 @@ class CommConfig:
     allgather_bucket_size: int = 50_000_000
     prefetch_bucket_size: int = 5_000_000  # stage 3: gather ahead up to this many elements (>= one unit)
     overlap_comm: bool = True
-    # None = chosen by backend: reduce-scatter on NCCL, all-reduce on gloo (cheaper there, NOTES.md).
+    # None = chosen by backend: reduce-scatter on NCCL, all-reduce on gloo (cheaper there, docs/platform-notes.md).
     reduce_scatter: bool | None = None
     # None = chosen by backend: one broadcast per rank's shard on gloo, all_gather on NCCL.
     all_gather_by_broadcast: bool | None = None

@@ -1,7 +1,8 @@
-"""The README's reference of DeepSpeed keys, generated from :data:`zeroray.deepspeed_config.TABLE`.
+"""The DeepSpeed key reference in docs/configuration.md, generated from :data:`zeroray.deepspeed_config.TABLE`.
 
 ``python -m zeroray.config_reference`` prints it; ``tests/test_config_reference.py`` fails when the
-README's copy (between the BEGIN/END markers) differs, so a key cannot be in one and not the other.
+copy in docs/configuration.md (between the BEGIN/END markers) differs, so a key cannot be in one and
+not the other.
 """
 
 from __future__ import annotations

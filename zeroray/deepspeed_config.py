@@ -13,8 +13,8 @@ Every key a user may write is in :data:`TABLE` as one of
   when disabled.
 
 Keys that are not in the table are refused with a did-you-mean: a typo such as ``"stgae"`` must not
-quietly train with stage 0. ``null`` means "not given". The README's key reference is generated from
-this table (``zeroray/config_reference.py``).
+quietly train with stage 0. ``null`` means "not given". The key reference in docs/configuration.md is generated
+from this table (``zeroray/config_reference.py``).
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ class Sources:
 
 @dataclass(frozen=True)
 class Rule:
-    """``doc``: what "auto" becomes (for the README); ``resolve``: -> (value, how, for the log)."""
+    """``doc``: what "auto" becomes (for docs/configuration.md); ``resolve``: -> (value, how, for the log)."""
 
     doc: str
     resolve: Callable[[Sources], tuple[Any, str]]

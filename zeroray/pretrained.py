@@ -180,7 +180,7 @@ def _destination(gs: GroupShard, plan: _Plan, pieces: list) -> torch.Tensor:
     holds; the rest (padding, and what the file lacks under strict=False) keeps its current value.
 
     On the CPU that is the live fp32 shard itself: its memory is in use already, while fresh
-    destinations (4.4 GB at 1.1B parameters) made the load 2x slower on first touch (README, Numbers).
+    destinations (4.4 GB at 1.1B parameters) made the load 2x slower on first touch (benchmarks/RESULTS.md).
     So the headers are checked on every rank first; only an I/O error during the reads themselves
     leaves a shard partly loaded (every rank raises)."""
     current = gs.tensors["weight"].detach().reshape(-1)

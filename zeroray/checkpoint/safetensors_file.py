@@ -142,7 +142,7 @@ class RangeReader:
 
         Read once, the file bypasses the page cache where the filesystem allows (``O_DIRECT``, through
         ``bounce``): ranks holding their model states while the file streamed through the cache pushed
-        the machine into page-cache reclaim, measured 2-3 x slower (README, Numbers)."""
+        the machine into page-cache reclaim, measured 2-3 x slower (benchmarks/RESULTS.md)."""
         buffers, casts = [], []
         for _, numel, dtype, dest in r.sinks:
             if dtype == dest.dtype:

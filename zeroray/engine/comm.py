@@ -6,7 +6,7 @@ size of the full (unsharded) tensor it gathers or reduces; an all-reduce counts 
 nothing is counted, so the engine also runs without ``torch.distributed`` initialised.
 
 On gloo, an all-reduce is cheaper than a reduce-scatter and one broadcast per rank's shard is
-cheaper than ``all_gather`` (see shared/NOTES.md); on NCCL the paper's reduce-scatter/all-gather
+cheaper than ``all_gather`` (see docs/platform-notes.md); on NCCL the paper's reduce-scatter/all-gather
 are the right primitives. ``ZeroConfig.reduce_scatter`` / ``all_gather_by_broadcast`` override.
 
 Tensors and backend threads: a collective is given private aliases of its tensors (``detach()``),
