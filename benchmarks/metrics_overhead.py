@@ -69,9 +69,9 @@ def _loop(config: dict[str, Any]) -> None:
     import zeroray.train as zt
     from zeroray.engine.phase_timer import PhaseTimer
     from zeroray.models.gpt import GPT, GPTConfig
-    from zeroray.train import reporting
-    from zeroray.train.context import get_session
-    from zeroray.train.ray_metrics import RankMetrics
+    from zeroray.train.worker import reporting
+    from zeroray.train.worker.context import get_session
+    from zeroray.train.worker.metrics import RankMetrics
 
     torch.set_num_threads(1)
     ctx = zt.get_context()
@@ -141,7 +141,7 @@ def _loop(config: dict[str, Any]) -> None:
         "gauge_refresh_interval_s": None,
         "series": len(metrics_cb.gauges._latest) if metrics_cb else None,
     }
-    from zeroray.train.gauges import _refresh_interval_s
+    from zeroray.monitoring.gauges import _refresh_interval_s
 
     parts["gauge_refresh_interval_s"] = _refresh_interval_s()
     zt.report({"rank": ctx.get_world_rank(), "times": times, "parts": parts,

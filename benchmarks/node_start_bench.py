@@ -5,12 +5,12 @@ scale-up latency that comes before the grow itself.
 
 A ``ray.cluster_utils.Cluster`` (a head without CPUs, one-CPU nodes, as ``elastic_bench.py chaos``)
 runs ``--busy`` actors spinning at niceness 0 (the training ranks) on nodes of their own. Then, per
-trial, a node is added and a real :class:`~zeroray.train.rank_actor.RankActor` is created on it, the
+trial, a node is added and a real :class:`~zeroray.train.group.rank_actor.RankActor` is created on it, the
 way the worker group creates one; the time from ``add_node`` returning to the actor answering
 ``node_info`` (its process started, torch, zeroray and its imports ahead done) is the start. Three ways
 to set the rank's niceness (Ray starts workers at 15) are compared:
 
-- ``start_ahead``: what zeroray does (``zeroray/train/priority.py``): the runtime env starts the worker
+- ``start_ahead``: what zeroray does (``zeroray/train/group/priority.py``): the runtime env starts the worker
   at ``START_NICENESS`` (below 0 where the node allows it) and the rank goes back to 0 after its imports;
 - ``runtime_env``: ``runtime_env={"env_vars": {"RAY_worker_niceness": "0"}}``, the start at 0 (zeroray
   before); the worker starts through the node's runtime-env agent in both;
@@ -36,8 +36,8 @@ from ray.cluster_utils import Cluster
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from zeroray.train.priority import RANK_RUNTIME_ENV  # noqa: E402
-from zeroray.train.rank_actor import RankActor  # noqa: E402
+from zeroray.train.group.priority import RANK_RUNTIME_ENV  # noqa: E402
+from zeroray.train.group.rank_actor import RankActor  # noqa: E402
 
 NICE_0 = {"env_vars": {"RAY_worker_niceness": "0"}}  # a running rank's priority
 

@@ -5,7 +5,7 @@ with and without offload, and a model whose model states do not fit in memory, t
 
 - fio: sequential O_DIRECT read and write bandwidth of the disk under ``--nvme-path`` at the swap's
   block size (8 MiB) and queue depth (4, libaio) (``fio``, from apt), the ceiling for the swap;
-- io: zeroray's swap files (``zeroray.engine.swap``) written and read back through its thread pool,
+- io: zeroray's swap files (``zeroray.engine.offload.files``) written and read back through its thread pool,
   O_DIRECT against buffered I/O with ``posix_fadvise(DONTNEED)``, the same bytes as fio;
 - qd: the swap and fio at queue depths 1-32 (the measurement behind ``offload_io.queue_depth``);
 - aio: the same bytes through DeepSpeed's AsyncIO op (libaio; apt libaio-dev) and io_uring (``pip install liburing``);
@@ -47,7 +47,7 @@ sys.path.insert(0, str(HERE.parent))
 
 import zeroray  # noqa: E402
 from tests.dist_harness import free_port  # noqa: E402
-from zeroray.engine.swap import AlignedBuffer, SwapDir, wait_all  # noqa: E402
+from zeroray.engine.offload.files import AlignedBuffer, SwapDir, wait_all  # noqa: E402
 from zeroray.models.gpt import GPT, GPTConfig  # noqa: E402
 
 GB = 1e9

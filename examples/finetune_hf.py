@@ -38,7 +38,7 @@ import zeroray.train as zt
 from zeroray import ZeroConfig
 from zeroray.checkpoint import export
 from zeroray.train import CheckpointConfig, RunConfig, ScalingConfig, ZeroTrainer
-from zeroray.train.cluster import ensure_ray, started_here
+from zeroray.train.driver.cluster import ensure_ray, started_here
 
 DATA = Path(__file__).resolve().parent / "data" / "corpus.txt"
 

@@ -40,11 +40,11 @@ except ImportError:  # run from a checkout without `pip install -e .`
 
 import zeroray.train as zt
 from zeroray import ZeroConfig
-from zeroray.config_loader import load_config
+from zeroray.config.load import load_config
 from zeroray.models.gpt import GPT, GPTConfig
 from zeroray.storage import StorageError
 from zeroray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, ZeroTrainer
-from zeroray.train.storage import RunStorage
+from zeroray.train.driver.run_dir import RunStorage
 
 DATA = Path(__file__).resolve().parent / "data" / "corpus.txt"
 BETAS, EPS, WEIGHT_DECAY = (0.9, 0.95), 1e-8, 0.1  # this script's AdamW (a DeepSpeed config's "auto"s read them)
@@ -264,7 +264,10 @@ def main() -> None:
         fail(p, e)
     logging.getLogger("zeroray").info("%s", describe(zero, args))
 
-    from zeroray.train.cluster import ensure_ray, started_here  # imports Ray: only once everything is checked
+    from zeroray.train.driver.cluster import (  # imports Ray: only once everything is checked
+        ensure_ray,
+        started_here,
+    )
 
     ensure_ray(num_cpus=args.num_cpus)
     import ray

@@ -21,7 +21,7 @@ from tests.models import batches
 from zeroray.checkpoint import commit as protocol
 from zeroray.checkpoint.manifest import FORMAT, MANIFEST, FileEntry, file_digest, part_file, rank_file
 from zeroray.cli import main
-from zeroray.train.checkpoint_manager import Checkpoint, latest_checkpoint
+from zeroray.train.result import Checkpoint, latest_checkpoint
 
 PAGE = 4096
 

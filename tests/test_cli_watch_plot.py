@@ -340,7 +340,7 @@ def test_bad_interval_is_a_usage_error(interval, capsys):
 
 
 def test_file_names_match_the_trainers():
-    from zeroray.train import storage
+    from zeroray.train.driver import run_dir as storage
 
     assert (run_history.RUN_INFO, run_history.HISTORY) == (storage.RUN_INFO, storage.HISTORY)
 

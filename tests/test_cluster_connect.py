@@ -15,7 +15,7 @@ from tests.dist_harness import free_port
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = """
 import ray
-from zeroray.train.cluster import ensure_ray
+from zeroray.train.driver.cluster import ensure_ray
 ensure_ray(num_cpus=1)
 print("CPUS", ray.cluster_resources()["CPU"], flush=True)
 ray.shutdown()

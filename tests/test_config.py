@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from zeroray.config import OffloadConfig, ZeroConfig
-from zeroray.config_loader import load_config as parse_deepspeed
-from zeroray.deepspeed_config import DeepSpeedConfigError
+from zeroray.config.deepspeed import DeepSpeedConfigError
+from zeroray.config.load import load_config as parse_deepspeed
 from zeroray.engine.named_optim import WarmupDecayLR, WarmupLR, build_optimizer, build_scheduler
 
 # The ZeRO-3 example of DeepSpeed's configuration docs, with offload set to "none" (zeroray has no

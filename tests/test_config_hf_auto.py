@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from zeroray.config import ZeroConfig
-from zeroray.config_loader import load_config
-from zeroray.deepspeed_config import DeepSpeedConfigError
+from zeroray.config.deepspeed import DeepSpeedConfigError
+from zeroray.config.load import load_config
 from zeroray.engine.named_optim import WarmupLR, build_optimizer, build_scheduler
 
 DATA = Path(__file__).resolve().parent / "data" / "hf_deepspeed"

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from zeroray.optim_spec import OPTIMIZER_PARAMS, SCHEDULER_PARAMS
+from zeroray.config.optim_spec import OPTIMIZER_PARAMS, SCHEDULER_PARAMS
 
 
 def _imported_after(code: str) -> set[str]:
@@ -25,13 +25,13 @@ def test_config_imports_neither_the_engine_nor_the_deepspeed_reader():
     mods = _imported_after("import zeroray.config")
     assert "zeroray.config" in mods
     assert not {m for m in mods if m.startswith("zeroray.engine")}
-    assert "zeroray.deepspeed_config" not in mods and "zeroray.config_loader" not in mods
+    assert "zeroray.config.deepspeed" not in mods and "zeroray.config.load" not in mods
     assert "torch" not in mods  # the config side is pure data
 
 
 def test_reading_a_deepspeed_config_with_an_optimizer_does_not_import_the_engine():
     mods = _imported_after(
-        "from zeroray.config_loader import load_config\n"
+        "from zeroray.config.load import load_config\n"
         "cfg = load_config({'zero_optimization': {'stage': 3}, 'optimizer': {'type': 'AdamW', 'params': {'lr': 1e-3}},"
         " 'scheduler': {'type': 'WarmupLR', 'params': {}}})\n"
         "assert cfg.optimizer['type'] == 'AdamW'"

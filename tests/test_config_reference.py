@@ -5,8 +5,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from zeroray.config_reference import BEGIN, END, reference_markdown
-from zeroray.deepspeed_config import TABLE
+from zeroray.config.deepspeed import TABLE
+from zeroray.config.reference import BEGIN, END, reference_markdown
 
 README = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 
@@ -18,7 +18,7 @@ def _readme_block() -> str:
 
 
 def test_readme_reference_is_the_generated_one():
-    # Regenerate with: python -m zeroray.config_reference, and paste between the markers.
+    # Regenerate with: python -m zeroray.config.reference, and paste between the markers.
     assert _readme_block() == reference_markdown()
 
 

@@ -7,8 +7,8 @@ import warnings
 
 import pytest
 
-from zeroray.config_loader import load_config
-from zeroray.deepspeed_config import TABLE, DeepSpeedConfigError, Feature, Ignored, Refused
+from zeroray.config.deepspeed import TABLE, DeepSpeedConfigError, Feature, Ignored, Refused
+from zeroray.config.load import load_config
 
 
 def _nested(dotted: str, value: object) -> dict:

@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from zeroray.config import ZeroConfig
-from zeroray.config_loader import load_config
+from zeroray.config.load import load_config
 from zeroray.train.config import ScalingConfig
-from zeroray.train.context import RankInfo, TrainContext, with_batch
-from zeroray.train.scaling_policy import BatchPlan, BatchSizes, ElasticScalingPolicy, fitting_workers
+from zeroray.train.driver.scaling_policy import ElasticScalingPolicy, fitting_workers
+from zeroray.train.sizing import BatchPlan, BatchSizes
+from zeroray.train.worker.context import RankInfo, TrainContext, with_batch
 
 
 def _plan(zero: dict, **scaling) -> BatchPlan:

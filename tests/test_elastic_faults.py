@@ -165,7 +165,7 @@ def _dies() -> None:
 
 
 def test_a_rank_lost_during_setup_fails_the_start_at_once(ray_cluster):
-    from zeroray.train.worker_group import WorkerGroup, WorkerGroupStartError
+    from zeroray.train.group.worker_group import WorkerGroup, WorkerGroupStartError
 
     slow = _waits_for_a_peer.remote(90)
     start = time.monotonic()

@@ -115,9 +115,9 @@ def test_release_stops_rank_0s_commit_from_waiting_for_a_dead_peer(tmp_path):
     from zeroray.checkpoint.writer import SaveHandle
     from zeroray.storage import open_url
     from zeroray.train.config import CheckpointConfig
-    from zeroray.train.context import RankInfo, Session, TrainContext
-    from zeroray.train.rank_actor import _join_upload
+    from zeroray.train.group.rank_actor import _join_upload
     from zeroray.train.run_spec import RunSpec
+    from zeroray.train.worker.context import RankInfo, Session, TrainContext
 
     run = tmp_path / "run"
     ckpt = run / "checkpoint_10"
@@ -199,7 +199,7 @@ def test_a_rank_whose_loop_does_not_end_says_where_it_waits():
     loop thread waits in, so a survivor that is not kept says why."""
     import threading
 
-    from zeroray.train.rank_actor import RankActor
+    from zeroray.train.group.rank_actor import RankActor
 
     blocked, entered = threading.Event(), threading.Event()
 
@@ -233,14 +233,14 @@ def test_a_new_rank_imports_ahead_of_its_first_group(ray_cluster):
     otherwise import with every rank waiting (a grow's spare does it while the old group trains), and joins no
     group doing so."""
     from zeroray.engine.comm import _WORLD_DEFAULT_MODULES
-    from zeroray.train.priority import RANK_RUNTIME_ENV
-    from zeroray.train.rank_actor import RankActor
+    from zeroray.train.group.priority import RANK_RUNTIME_ENV
+    from zeroray.train.group.rank_actor import RankActor
 
     # Started as the worker group starts a rank: without its runtime env the process runs at Ray's worker
     # niceness (15), and beside busy processes its imports took over the 120 s below.
     actor = ray.remote(RankActor).options(num_cpus=1, runtime_env=RANK_RUNTIME_ENV).remote("import-ahead", False)
     try:
-        names = [*_WORLD_DEFAULT_MODULES, "torch._dynamo", "zeroray.train.ray_metrics"]
+        names = [*_WORLD_DEFAULT_MODULES, "torch._dynamo", "zeroray.train.worker.metrics"]
         found = ray.get(actor.__ray_call__.remote(_imported, names), timeout=120)
         assert found == {**{n: True for n in names}, "group": False}, found
     finally:
@@ -250,8 +250,8 @@ def test_a_new_rank_imports_ahead_of_its_first_group(ray_cluster):
 def test_a_new_rank_starts_ahead_of_running_work_then_trains_at_normal_priority(ray_cluster):
     """A rank's start (its process and imports) runs below the raylet's niceness where the node allows it, ahead
     of the ranks already training there; then every thread of it goes back to the raylet's niceness."""
-    from zeroray.train.priority import RANK_RUNTIME_ENV, START_NICENESS
-    from zeroray.train.rank_actor import RankActor
+    from zeroray.train.group.priority import RANK_RUNTIME_ENV, START_NICENESS
+    from zeroray.train.group.rank_actor import RankActor
 
     base = os.getpriority(os.PRIO_PROCESS, 0)  # the local raylet's: it was started by this process
     allowed = subprocess.run([sys.executable, "-c", f"import os; os.nice({START_NICENESS})"],

@@ -254,9 +254,9 @@ def _value(scraped: dict, metric: M.Metric, **labels: str) -> float | None:
 
 
 def test_controller_gauges_count_attempts_failures_and_resizes(ray_cluster) -> None:
-    from zeroray.train import state as S
-    from zeroray.train.controller_metrics import ControllerMetrics
-    from zeroray.train.scaling_policy import ScalingDecision
+    from zeroray.train.driver import state as S
+    from zeroray.train.driver.metrics import ControllerMetrics
+    from zeroray.train.sizing import ScalingDecision
 
     run = "ctl-metrics"
     cb = ControllerMetrics(run)

@@ -186,7 +186,7 @@ def test_ray_dashboard_lists_the_rank_actors(chromium, ray_cluster, tmp_path):
     from ray._private.worker import get_dashboard_url
 
     from zeroray.train import ScalingConfig, ZeroTrainer
-    from zeroray.train.rank_actor import actor_name
+    from zeroray.train.group.rank_actor import actor_name
 
     binary = chromium
     release = tmp_path / "release"

@@ -323,8 +323,8 @@ def test_config_refuses_what_cannot_work(kw, field, message):
 
 
 def test_deepspeed_offload_keys_map_onto_the_config(tmp_path, caplog):
-    from zeroray.config_loader import load_config as read_deepspeed
-    from zeroray.deepspeed_config import DeepSpeedConfigError
+    from zeroray.config.deepspeed import DeepSpeedConfigError
+    from zeroray.config.load import load_config as read_deepspeed
 
     cfg = read_deepspeed({
         "zero_optimization": {

@@ -20,7 +20,7 @@ from tests.dist_harness import run_ranks
 from tests.models import TinyLM, batches, param_groups
 from tests.offload_helpers import GAS, LR, nvme_offload, offload_config, train_run
 from zeroray.config import ConfigError
-from zeroray.engine.swap import aligned
+from zeroray.engine.offload.files import aligned
 
 
 def _params(path: str, **kw) -> dict:

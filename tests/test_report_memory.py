@@ -7,7 +7,7 @@ them exactly, so read alone it trailed the RSS read just before it in about 5% o
 
 from __future__ import annotations
 
-from zeroray.train.reporting import process_memory
+from zeroray.train.worker.reporting import process_memory
 
 
 def test_peak_rss_is_never_below_the_current_rss():

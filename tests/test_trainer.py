@@ -30,8 +30,9 @@ from tests.ray_helpers import (
     run_config,
     zeroray_actors,
 )
-from zeroray.train import FailureConfig, RunConfig, ScalingConfig, TrainingFailedError, ZeroTrainer, priority
-from zeroray.train.storage import StorageError
+from zeroray.train import FailureConfig, RunConfig, ScalingConfig, TrainingFailedError, ZeroTrainer
+from zeroray.train.driver.run_dir import StorageError
+from zeroray.train.group import priority
 
 # ---------------------------------------------------------------------------------------------- helpers
 

@@ -16,16 +16,16 @@ from zeroray.train import (
     ScalingConfig,
     ZeroTrainer,
 )
-from zeroray.train.checkpoint_manager import Checkpoint, latest_checkpoint
-from zeroray.train.failure_policy import FailureDecision, FailurePolicy
-from zeroray.train.scaling_policy import (
+from zeroray.train.driver.failure_policy import FailureDecision, FailurePolicy
+from zeroray.train.driver.run_dir import RunStorage, StorageError
+from zeroray.train.driver.scaling_policy import (
     BatchPlan,
     ElasticScalingPolicy,
     FixedScalingPolicy,
     make_scaling_policy,
 )
-from zeroray.train.storage import RunStorage, StorageError
-from zeroray.train.worker_group import rank_layout
+from zeroray.train.group.worker_group import rank_layout
+from zeroray.train.result import Checkpoint, latest_checkpoint
 
 
 def _loop(config):

@@ -18,7 +18,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 import zeroray.train as zt
 from tests.ray_helpers import assert_nothing_left, list_actors, list_placement_groups, run_config
 from zeroray.train import FailureConfig, RunConfig, ScalingConfig, TrainingFailedError, ZeroTrainer
-from zeroray.train.storage import StorageError
+from zeroray.train.driver.run_dir import StorageError
 
 TIMEOUT_S = 5.0  # the collective timeout the out-of-step tests set
 BOUND_S = 120.0  # far below torch's 30 minutes, far above startup on a busy machine

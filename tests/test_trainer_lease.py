@@ -21,9 +21,9 @@ from tests.fixtures_s3 import s3  # noqa: F401
 from tests.ray_helpers import assert_nothing_left, zeroray_actors
 from tests.s3_proxy import SlowProxy
 from zeroray.train import RunConfig, ScalingConfig, ZeroTrainer
+from zeroray.train.driver.lease import RunLease, exclusive
+from zeroray.train.driver.run_dir import RunStorage
 from zeroray.train.errors import RunLeaseError
-from zeroray.train.lease import RunLease, exclusive
-from zeroray.train.storage import RunStorage
 
 _DRIVER = """
 import sys, time, ray
@@ -96,7 +96,7 @@ def test_a_second_fit_of_a_running_run_refuses_and_a_dead_drivers_lease_is_taken
         stale = json.loads((run_dir / "lease.json").read_text())
         _wait_for(lambda: time.time() - stale["heartbeat"] > lease_timeout_s, "the lease to go stale", 30)
 
-        with caplog.at_level(logging.WARNING, logger="zeroray.train.lease"):
+        with caplog.at_level(logging.WARNING, logger="zeroray.train.driver.lease"):
             result = ZeroTrainer(_second_loop, scaling_config=ScalingConfig(num_workers=2), run_config=second).fit()
         assert f"taking over run 'leased' from {lease['owner']}" in caplog.text
         assert result.metrics == {"driver": "second"}
@@ -122,7 +122,7 @@ def test_a_fresh_lease_file_refuses_and_an_unreadable_one_counts_as_stale(ray_cl
     with pytest.raises(RunLeaseError, match=r"run 'held' is running .* owner elsewhere:1:abc, last heartbeat"):
         ZeroTrainer(_second_loop, run_config=rc).fit()
     (run_dir / "lease.json").write_text('{"owner": "torn')  # a writer died mid-write
-    with caplog.at_level(logging.WARNING, logger="zeroray.train.lease"):
+    with caplog.at_level(logging.WARNING, logger="zeroray.train.driver.lease"):
         assert ZeroTrainer(_second_loop, run_config=rc).fit().metrics == {"driver": "second"}
     assert "taking over run 'held' from unknown" in caplog.text
     # The lease is gone, and its lock file with it.
@@ -153,7 +153,7 @@ def test_lease_and_history_on_local_disk_and_object_storage(s3, tmp_path, where,
     stale = {"owner": "dead-driver", "started_at": 0.0, "heartbeat": 0.0}
     again.fs.pipe_file(again.path("lease.json"), json.dumps(stale).encode())
     second = RunLease(again, timeout_s=60)
-    with caplog.at_level(logging.WARNING, logger="zeroray.train.lease"):
+    with caplog.at_level(logging.WARNING, logger="zeroray.train.driver.lease"):
         second.acquire()
     try:
         assert "taking over run 'run' from dead-driver" in caplog.text
@@ -215,7 +215,7 @@ def test_two_takers_racing_behind_slow_puts_get_one_lease(s3, held, caplog):  # 
                 outcome[i] = e
 
         takers = [threading.Thread(target=take, args=(i,)) for i in range(2)]
-        with caplog.at_level(logging.WARNING, logger="zeroray.train.lease"):
+        with caplog.at_level(logging.WARNING, logger="zeroray.train.driver.lease"):
             takers[0].start()
             assert proxy.arrived(1, 30), "the first taker's PUT"  # on its way, held by the slow store
             takers[1].start()

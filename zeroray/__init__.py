@@ -22,7 +22,7 @@ def __getattr__(name: str) -> Any:
 
         return getattr(engine, name)
     if name == "load_config":
-        from zeroray.config_loader import load_config
+        from zeroray.config.load import load_config
 
         return load_config
     if name in _TRAIN_EXPORTS:
@@ -30,7 +30,7 @@ def __getattr__(name: str) -> Any:
 
         return getattr(train, name)
     if name in ("load_pretrained", "pretrained_keys", "LoadReport", "PretrainedError"):
-        import zeroray.pretrained as pretrained
+        import zeroray.checkpoint.pretrained as pretrained
 
         return getattr(pretrained, name)
     if name == "estimate":

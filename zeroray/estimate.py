@@ -44,7 +44,7 @@ import math
 from typing import Literal
 
 from zeroray.config import OffloadConfig, ZeroConfig
-from zeroray.engine.layout import param_pool_size, shard_numel, swap_aligned
+from zeroray.engine.layout import param_pool_size, precision_bytes, shard_numel, swap_aligned, swap_bytes
 
 Precision = Literal["fp32", "bf16", "fp16"]
 Offload = Literal["none", "cpu", "nvme"]
@@ -54,31 +54,6 @@ OFFLOAD_STAGES = (1, 2, 3)  # offload needs a sharded optimizer (ZeroConfig refu
 _F32 = 4  # bytes of an fp32 master, state or gradient element
 SUB_GROUP_SIZE = ZeroConfig().sub_group_size  # the engine's defaults
 BUFFER_COUNT = OffloadConfig().buffer_count
-
-
-def precision_bytes(precision: Precision, optimizer_bytes: int | None = None) -> tuple[int, int, int]:
-    """``(param, grad, optimizer)`` bytes per parameter for a precision (optimizer: Adam unless given)."""
-    if precision == "fp32":
-        p, k = 4, 8
-    elif precision in ("bf16", "fp16"):
-        p, k = 2, 12
-    else:
-        raise ValueError(f"precision must be 'fp32', 'bf16' or 'fp16', got {precision!r}")
-    if optimizer_bytes is not None:
-        if optimizer_bytes < 0:
-            raise ValueError(f"optimizer_bytes must be >= 0, got {optimizer_bytes}")
-        k = optimizer_bytes
-    return p, p, k
-
-
-def swap_bytes(numel: int, segments: int, sub_group_size: int, buffer_count: int) -> tuple[int, int]:
-    """``(host, nvme)`` bytes of NVMe offload for a partition of ``numel`` elements stepped in
-    sub-groups of at most ``sub_group_size``: the buffer pool and the swap files."""
-    full, rest = divmod(numel, sub_group_size)
-    subs = full + (rest > 0)
-    files = segments * (full * swap_aligned(sub_group_size * _F32) + (swap_aligned(rest * _F32) if rest else 0))
-    largest = swap_aligned(min(numel, sub_group_size) * _F32)
-    return min(buffer_count, subs) * segments * largest, files
 
 
 def _one_stage(

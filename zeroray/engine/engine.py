@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zeroray.config_loader import ConfigArg, load_config
-from zeroray.engine import units as unit_plan
+from zeroray.config.load import ConfigArg, load_config
+from zeroray.engine import plan as unit_plan
 from zeroray.engine.comm import Comm, InFlight
 from zeroray.engine.flat_group import FlatGroup
 from zeroray.engine.gather_check import GatherCheck
@@ -38,9 +38,12 @@ from zeroray.engine.heap_trim import HeapTrimmer
 from zeroray.engine.layout import TensorSlot
 from zeroray.engine.loss_scaler import LossScaler
 from zeroray.engine.materialize import InitFn, MetaInit, compute_device, meta_tensor_ids
-from zeroray.engine.offload import NvmeHome, ResidentHome, StateHome, expected_state_count
+from zeroray.engine.offload.files import SwapDir, check_nvme_path
+from zeroray.engine.offload.home import StateHome, expected_state_count
+from zeroray.engine.offload.nvme import NvmeHome
+from zeroray.engine.offload.param_files import ParamFiles
+from zeroray.engine.offload.resident import ResidentHome
 from zeroray.engine.param_guard import ParamGuard
-from zeroray.engine.param_swap import ParamFiles
 from zeroray.engine.phase_timer import PhaseTimer, StepTimes
 from zeroray.engine.reducer import GradReducer
 from zeroray.engine.schedule import UnitScheduler
@@ -53,7 +56,6 @@ from zeroray.engine.sharded_optim import (
     template_optimizer,
 )
 from zeroray.engine.shared_grads import SharedGradSum
-from zeroray.engine.swap import SwapDir, check_nvme_path
 from zeroray.engine.unit import Unit
 
 

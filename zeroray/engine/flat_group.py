@@ -42,7 +42,7 @@ from zeroray.engine.grad_buffer import GradBuffer
 
 class ShardFiles(Protocol):
     """Where parked compute shards live (offload_param "nvme"), as a group uses it; implemented by
-    :class:`~zeroray.engine.param_swap.ParamFiles`, which this module does not import."""
+    :class:`~zeroray.engine.offload.param_files.ParamFiles`, which this module does not import."""
 
     def write(self, g: FlatGroup, lo: int, hi: int, values: torch.Tensor) -> None:
         """Set ``[lo, hi)`` of ``g``'s shard in its file."""

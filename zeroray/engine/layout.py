@@ -116,3 +116,28 @@ def owners(numel: int, world_size: int, lo: int, hi: int) -> Iterator[tuple[int,
         a, b = max(lo, rank * s), min(hi, (rank + 1) * s)
         if a < b:
             yield rank, a - rank * s, b - rank * s
+
+
+def precision_bytes(precision: str, optimizer_bytes: int | None = None) -> tuple[int, int, int]:
+    """``(param, grad, optimizer)`` bytes per parameter for a precision (optimizer: Adam unless given)."""
+    if precision == "fp32":
+        p, k = 4, 8
+    elif precision in ("bf16", "fp16"):
+        p, k = 2, 12
+    else:
+        raise ValueError(f"precision must be 'fp32', 'bf16' or 'fp16', got {precision!r}")
+    if optimizer_bytes is not None:
+        if optimizer_bytes < 0:
+            raise ValueError(f"optimizer_bytes must be >= 0, got {optimizer_bytes}")
+        k = optimizer_bytes
+    return p, p, k
+
+
+def swap_bytes(numel: int, segments: int, sub_group_size: int, buffer_count: int) -> tuple[int, int]:
+    """``(host, nvme)`` bytes of NVMe offload for a partition of ``numel`` elements stepped in
+    sub-groups of at most ``sub_group_size``: the buffer pool and the swap files."""
+    full, rest = divmod(numel, sub_group_size)
+    subs = full + (rest > 0)
+    files = segments * (full * swap_aligned(sub_group_size * 4) + (swap_aligned(rest * 4) if rest else 0))
+    largest = swap_aligned(min(numel, sub_group_size) * 4)
+    return min(buffer_count, subs) * segments * largest, files

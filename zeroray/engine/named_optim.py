@@ -27,7 +27,7 @@ import torch
 from torch.optim.lr_scheduler import LRScheduler
 
 from zeroray.config import ConfigError
-from zeroray.optim_spec import (
+from zeroray.config.optim_spec import (
     ADAM_EXTRAS,
     SCHEDULER_PARAMS,
     SUPPORTED_OPTIMIZERS,

@@ -11,7 +11,7 @@ key): consecutive slices of consecutive flat groups, each slice one parameter of
 optimizer. :meth:`ShardedOptimizer.step` steps them one after another, giving a gradient only to
 the current sub-group's parameters (torch optimizers skip parameters without one). That loop is
 where offload plugs in: where a sub-group's master and states live between steps is a
-:class:`~zeroray.engine.offload.StateHome` (device memory, host memory, or NVMe files with
+:class:`~zeroray.engine.offload.home.StateHome` (device memory, host memory, or NVMe files with
 read-ahead and write-behind). Elementwise optimizers (Adam, AdamW, SGD, ...) give the same bits
 whatever the sub-group size.
 """
@@ -33,7 +33,7 @@ from zeroray.engine.flat_group import FlatGroup
 from zeroray.engine.sub_groups import ParamSlice, SubGroup, plan_sub_groups
 
 if TYPE_CHECKING:
-    from zeroray.engine.offload import StateHome
+    from zeroray.engine.offload.home import StateHome
 
 OptimizerArg = torch.optim.Optimizer | Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None
 # Writes into each ``dest`` the values ``[lo, hi)`` of a flat group's shard of ``key`` (see ShardedOptimizer.load_stream).

@@ -4,7 +4,7 @@ A :class:`ParamSlice` is a contiguous slice of one flat group's master shard ins
 parameter: one torch parameter, so a model parameter without a gradient is skipped by the torch
 optimizer, as under DDP. A :class:`SubGroup` is slices stepped together, at most ``sub_group_size``
 elements (DeepSpeed's key): where offload moves the masters and states in and out. A leaf module:
-the optimizer (:mod:`zeroray.engine.sharded_optim`) and the state homes (:mod:`zeroray.engine.offload`)
+the optimizer (:mod:`zeroray.engine.sharded_optim`) and the state homes (:mod:`zeroray.engine.offload.home`)
 both use it, and neither imports the other's concrete classes for it.
 """
 

@@ -1,6 +1,6 @@
 """Unit: one stage-3 unit's lifecycle, the way FSDP2's ``FSDPParamGroup`` owns one ``fully_shard``.
 
-A unit (a transformer block by default, see :mod:`zeroray.engine.units`) owns its flat groups and
+A unit (a transformer block by default, see :mod:`zeroray.engine.plan`) owns its flat groups and
 gathers them all together: right before its forward, again right before its backward, and frees
 them right after each. It counts the reductions still pending in a backward and frees itself as
 soon as the last one is launched, unless it holds frozen parameters (an op may still need those

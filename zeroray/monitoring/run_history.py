@@ -2,7 +2,7 @@
 
 The driver writes ``run.json`` (status, attempts, world size; replaced atomically) and appends
 ``metrics.jsonl`` (one report a line: rank 0's metrics, ``_``-prefixed fields and every rank's stats
-under ``_ranks``) to ``<storage_path>/<name>/`` at any fsspec URL (zeroray/train/storage.py). This
+under ``_ranks``) to ``<storage_path>/<name>/`` at any fsspec URL (zeroray/train/driver/run_dir.py). This
 module reads them with fsspec only: it imports neither Ray nor torch, so the commands start fast on a
 laptop that only has the run's URL.
 
@@ -22,7 +22,7 @@ from typing import Any
 
 from zeroray.storage import StorageError, open_url
 
-# The file names zeroray.train.storage writes (importing it would import Ray; a test keeps them equal).
+# The file names zeroray.train.driver.run_dir writes (importing it would import Ray; a test keeps them equal).
 RUN_INFO = "run.json"
 HISTORY = "metrics.jsonl"
 TERMINAL = ("FINISHED", "ERRORED", "ABORTED")

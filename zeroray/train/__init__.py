@@ -1,11 +1,9 @@
 """zeroray.train: the Ray layer. Driver side: ZeroTrainer and its configs. Worker side (inside the loop):
 get_context, prepare, report, get_dataset_shard — the same shape as ``ray.train``."""
 
-from zeroray.train.callbacks import ControllerCallback
-from zeroray.train.checkpoint_manager import Checkpoint
 from zeroray.train.config import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-from zeroray.train.context import TrainContext, get_context
 from zeroray.train.dataset import get_dataset_shard
+from zeroray.train.driver.callbacks import ControllerCallback
 from zeroray.train.errors import (
     CallbackError,
     ReportMismatchError,
@@ -13,10 +11,11 @@ from zeroray.train.errors import (
     TrainingFailedError,
     WorkerFailure,
 )
-from zeroray.train.preparation import prepare
-from zeroray.train.reporting import report
-from zeroray.train.result import Result
+from zeroray.train.result import Checkpoint, Result
 from zeroray.train.trainer import ZeroTrainer
+from zeroray.train.worker.context import TrainContext, get_context
+from zeroray.train.worker.preparation import prepare
+from zeroray.train.worker.reporting import report
 
 __all__ = [
     "ZeroTrainer",

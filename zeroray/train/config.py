@@ -284,7 +284,7 @@ class RunConfig:
 
     def _check_callbacks(self) -> None:
         # Imported here: callbacks.py imports the controller's states, which import this module.
-        from zeroray.train.callbacks import ControllerCallback
+        from zeroray.train.driver.callbacks import ControllerCallback
 
         if not isinstance(self.callbacks, (list, tuple)):
             raise ValueError(

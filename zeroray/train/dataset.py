@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from zeroray.train.context import get_session
+from zeroray.train.worker.context import get_session
 
 
 def validate_datasets(datasets: Any) -> dict[str, Any]:

@@ -8,6 +8,8 @@ one place that turns a report into a row of ``Result.metrics_history`` and ``met
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,3 +85,11 @@ class Report:
             "_attempt": attempt,
             "_ranks": [r.as_dict() for r in self.ranks],
         }
+
+
+def finite_or_none(value: Any) -> float | None:
+    """A float metric for gauges and the progress bar, or None when not a finite number."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    v = float(value)
+    return v if math.isfinite(v) else None

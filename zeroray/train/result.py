@@ -5,8 +5,28 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from zeroray.train.checkpoint_manager import Checkpoint
+import zeroray.checkpoint as zc
 from zeroray.train.report import RankStats
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A committed checkpoint of the run, as ``Result.checkpoint`` (like ``ray.train.Checkpoint``).
+
+    ``path``: the checkpoint directory's URL on ``RunConfig.storage_path``; pass it, with
+    ``RunConfig.storage_options``, to ``zeroray.checkpoint.load`` / ``export`` /
+    ``CheckpointReader(...).verify``.
+    ``step``: the engine's ``global_step`` when it was saved.
+    """
+
+    path: str
+    step: int
+
+
+def latest_checkpoint(run_url: str, storage_options: dict[str, Any] | None = None) -> Checkpoint | None:
+    """Driver side: the run's newest valid committed checkpoint on storage, or None."""
+    info = zc.latest_valid(run_url, storage_options)
+    return Checkpoint(info.url, info.step) if info is not None else None
 
 
 @dataclass

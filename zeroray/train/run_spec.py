@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from zeroray.config_loader import ConfigArg
+from zeroray.config.load import ConfigArg
 from zeroray.train.config import CheckpointConfig
 
 

@@ -12,7 +12,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from zeroray.config_loader import ConfigArg, load_config
+from zeroray.config.load import ConfigArg, load_config
 from zeroray.storage import join_url
 from zeroray.train.config import RunConfig, ScalingConfig
 from zeroray.train.dataset import validate_datasets
@@ -74,7 +74,7 @@ class ZeroTrainer:
         self.zero_config = zero_config
         # Batch sizes must agree with the world size; checked here, not in the first rank to start.
         if scaling_config.elasticity_enabled:  # a size between min and max must keep the batch rule
-            from zeroray.train.scaling_policy import BatchPlan
+            from zeroray.train.sizing import BatchPlan
 
             self.batch_plan: Any = BatchPlan.from_config(checked, scaling_config)
             self.samples_per_step = self.batch_plan.samples_per_step
@@ -128,13 +128,12 @@ class ZeroTrainer:
         Before any actor starts: the loop pickles, the storage is writable and shareable by every rank,
         no other fit() runs this run (its lease), the cluster can hold the group.
         """
-        from zeroray.train.autoscaler_demand import AutoscalerDemand
-        from zeroray.train.cluster import check_fits, ensure_ray
-        from zeroray.train.controller import Controller
-        from zeroray.train.failure_policy import FailurePolicy
-        from zeroray.train.lease import RunLease
-        from zeroray.train.scaling_policy import make_scaling_policy
-        from zeroray.train.storage import RunStorage
+        from zeroray.train.driver.cluster import AutoscalerDemand, check_fits, ensure_ray
+        from zeroray.train.driver.controller import Controller
+        from zeroray.train.driver.failure_policy import FailurePolicy
+        from zeroray.train.driver.lease import RunLease
+        from zeroray.train.driver.run_dir import RunStorage
+        from zeroray.train.driver.scaling_policy import make_scaling_policy
 
         self._check_picklable()
         rc = self.run_config

@@ -4,7 +4,7 @@ The driver checks it is writable, and shareable by every rank, before any actor 
 ``metrics.jsonl`` (the history, one report a line, appended across every ``fit()`` of the run; whole
 lines or nothing, even on a full disk), ``run.json`` (status, world size, error; written atomically),
 ``lease.json`` (which ``fit()`` runs the run now, see lease.py; on a disk, ``lease.json.lock`` beside it while a fit runs) and the ranks' sharded checkpoints
-(``checkpoint_<step>/``, see checkpoint_manager.py).
+(``checkpoint_<step>/``, see worker/recovery.py).
 """
 
 from __future__ import annotations

@@ -10,9 +10,9 @@ from __future__ import annotations
 import logging
 
 from zeroray.monitoring import metrics as M
-from zeroray.train import state as S
-from zeroray.train.callbacks import ControllerCallback
-from zeroray.train.gauges import GaugeSet, export_interval_s
+from zeroray.monitoring.gauges import GaugeSet, export_interval_s
+from zeroray.train.driver import state as S
+from zeroray.train.driver.callbacks import ControllerCallback
 
 logger = logging.getLogger(__name__)
 

@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from zeroray.train import checkpoint_manager
-from zeroray.train.context import get_session
+from zeroray.train.worker import recovery
+from zeroray.train.worker.context import get_session
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ def prepare(
     tensors = [*model.parameters(), *model.buffers()]
     loaded_keys: list[str] = []
     if pretrained is not None and any(t.is_meta for t in tensors):
-        from zeroray.pretrained import pretrained_keys
+        from zeroray.checkpoint.pretrained import pretrained_keys
 
         loaded_keys = pretrained_keys(model, pretrained, key_map=pretrained_key_map, storage_options=session.storage_options)
     if any(t.is_meta for t in tensors):
@@ -85,8 +85,8 @@ def prepare(
         names = engine.initialized_names
         logger.info("zeroray: initialized %d tensor(s) the pretrained weights lack%s", len(names),
                     f": {', '.join(names[:20])}{' ...' if len(names) > 20 else ''}" if names else "")
-    if not checkpoint_manager.resume(session) and pretrained is not None:
-        from zeroray.pretrained import load_pretrained
+    if not recovery.resume(session) and pretrained is not None:
+        from zeroray.checkpoint.pretrained import load_pretrained
 
         report = load_pretrained(engine, pretrained, key_map=pretrained_key_map, storage_options=session.storage_options)
         if session.context.get_world_rank() == 0:

@@ -36,13 +36,13 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from zeroray.train.context import RankInfo
 from zeroray.train.errors import WorkerFailure
-from zeroray.train.poll import PollAnswer, PollStatus
-from zeroray.train.priority import RANK_RUNTIME_ENV
-from zeroray.train.rank_actor import RankActor, actor_name
+from zeroray.train.group.poll import PollAnswer, PollStatus
+from zeroray.train.group.priority import RANK_RUNTIME_ENV
+from zeroray.train.group.rank_actor import RankActor, actor_name
 from zeroray.train.run_spec import RunSpec
-from zeroray.train.scaling_policy import ScalingDecision
+from zeroray.train.sizing import ScalingDecision
+from zeroray.train.worker.context import RankInfo
 
 logger = logging.getLogger(__name__)
 

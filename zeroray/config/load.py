@@ -1,9 +1,9 @@
 """``load_config``: any config a user hands zeroray -> a validated :class:`~zeroray.config.ZeroConfig`.
 
 A ZeroConfig is used as it is. A DeepSpeed dict or JSON file is read through the key table
-(:mod:`zeroray.deepspeed_config`), its ``"auto"`` values resolved from the model and the optimizer
-(:mod:`zeroray.hf_auto`), and judged by ``ZeroConfig.validate``; every problem, each naming the JSON
-key the user wrote, comes back in one :class:`~zeroray.deepspeed_config.DeepSpeedConfigError`. A good
+(:mod:`zeroray.config.deepspeed`), its ``"auto"`` values resolved from the model and the optimizer
+(:mod:`zeroray.config.hf_auto`), and judged by ``ZeroConfig.validate``; every problem, each naming the JSON
+key the user wrote, comes back in one :class:`~zeroray.config.deepspeed.DeepSpeedConfigError`. A good
 config's ignored keys (WARNING) and resolved "auto"s (INFO) are logged on the ``"zeroray"`` logger,
 one line each.
 """
@@ -14,8 +14,8 @@ import os
 from typing import Any
 
 from zeroray.config import ConfigError, ZeroConfig
-from zeroray.deepspeed_config import DeepSpeedConfigError, read_deepspeed
-from zeroray.hf_auto import log_resolutions, resolve_autos
+from zeroray.config.deepspeed import DeepSpeedConfigError, read_deepspeed
+from zeroray.config.hf_auto import log_resolutions, resolve_autos
 
 __all__ = ["load_config"]
 

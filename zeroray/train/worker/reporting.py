@@ -7,13 +7,12 @@ with one ``all_gather_object`` on a separate gloo group, so the barrier never to
 When a rank's loop ends it joins one last exchange marked "done"; a rank still inside ``report`` then
 sees the marker and both raise ReportMismatchError instead of hanging. ``checkpoint=True`` travels in
 the same exchange, so ranks that disagree on it fail the same way before any rank starts a save (a
-collective of its own, see checkpoint_manager.py).
+collective of its own, see recovery.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import numbers
 import resource
 import time
@@ -22,10 +21,10 @@ from typing import Any
 import psutil
 import torch
 
-from zeroray.train import checkpoint_manager, snapshot_manager
-from zeroray.train.context import Session, get_session
 from zeroray.train.errors import ReportMismatchError
 from zeroray.train.report import RankStats, Report
+from zeroray.train.worker import recovery
+from zeroray.train.worker.context import Session, get_session
 
 _DONE = "__zeroray_done__"
 
@@ -97,9 +96,9 @@ def _save(session: Session, stats: RankStats) -> RankStats:
     """Save the checkpoint of this report; ``stats`` with how long the loop was blocked and the
     bytes of this rank's shard."""
     start = time.perf_counter()
-    checkpoint_manager.save(session)
+    recovery.save_checkpoint(session)
     blocked = time.perf_counter() - start
-    return dataclasses.replace(stats, checkpoint_s=blocked, checkpoint_bytes=checkpoint_manager.shard_bytes(session.engine))
+    return dataclasses.replace(stats, checkpoint_s=blocked, checkpoint_bytes=recovery.shard_bytes(session.engine))
 
 
 def _exchange(session: Session, item: Any) -> list[Any]:
@@ -137,7 +136,7 @@ def report(metrics: dict[str, Any], checkpoint: bool = False) -> None:
     if not isinstance(metrics, dict) or not all(isinstance(k, str) for k in metrics):
         raise TypeError(f"zt.report expects a dict with string keys, got {type(metrics).__name__}")
     if checkpoint:
-        checkpoint_manager.require_engine(session)
+        recovery.require_engine(session)
     plain = {k: _plain(v) for k, v in metrics.items()}
     stats = _rank_stats(session)
     is_rank0 = session.context.get_world_rank() == 0
@@ -147,8 +146,8 @@ def report(metrics: dict[str, Any], checkpoint: bool = False) -> None:
     _check_mismatch(gathered, num_reports=session.num_reports)
     if checkpoint:
         stats = _save(session, stats)
-    if snapshot_manager.due(session):
-        seconds, nbytes = snapshot_manager.take(session)
+    if recovery.snapshot_due(session):
+        seconds, nbytes = recovery.take_snapshot(session)
         stats = dataclasses.replace(stats, snapshot_s=seconds, snapshot_bytes=nbytes)
     session.num_reports += 1
     session.waiting_in = None
@@ -164,11 +163,3 @@ def finish(session: Session) -> None:
     session.waiting_in = "end"
     gathered = _exchange(session, _DONE)
     _check_mismatch(gathered, num_reports=session.num_reports)
-
-
-def finite_or_none(value: Any) -> float | None:
-    """A float metric for gauges and the progress bar, or None when not a finite number."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        return None
-    v = float(value)
-    return v if math.isfinite(v) else None

@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from zeroray.config_loader import ConfigArg
+from zeroray.config.load import ConfigArg
 from zeroray.train.config import CheckpointConfig
 from zeroray.train.report import RankStats, Report
 from zeroray.train.run_spec import RunSpec
-from zeroray.train.scaling_policy import BatchSizes
+from zeroray.train.sizing import BatchSizes
 
 if TYPE_CHECKING:
     from ray.data import DataIterator

@@ -1,6 +1,6 @@
 """The driver's progress display: a tqdm bar on a terminal, a log line every few seconds otherwise.
 
-The lines go to the ``zeroray.train.progress`` logger at INFO, so the application decides where they
+The lines go to the ``zeroray.train.driver.progress`` logger at INFO, so the application decides where they
 appear (``logging.basicConfig(level=logging.INFO)`` shows them on stderr); the library never prints.
 """
 
@@ -12,8 +12,7 @@ import sys
 import time
 from typing import Any
 
-from zeroray.train.report import Report
-from zeroray.train.reporting import finite_or_none
+from zeroray.train.report import Report, finite_or_none
 
 logger = logging.getLogger(__name__)
 

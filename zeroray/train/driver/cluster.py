@@ -1,7 +1,8 @@
 """Connecting to Ray: an embedded local cluster when none is connected, else the one at RAY_ADDRESS.
 
 Also the up-front check that the cluster can hold the group at all, so a group that can never be
-placed fails in the driver with the numbers instead of waiting forever.
+placed fails in the driver with the numbers instead of waiting forever, and the standing request to
+the autoscaler for the nodes an elastic run could use (:class:`AutoscalerDemand`).
 """
 
 from __future__ import annotations
@@ -79,3 +80,34 @@ def check_fits(num_workers: int, resources_per_worker: dict[str, float]) -> None
     if started_here():
         raise ValueError(msg)
     logger.warning("%s; waiting for the autoscaler to add nodes", msg)
+
+
+class AutoscalerDemand:
+    """The standing request for ``workers`` bundles of ``resources_per_worker`` (a context manager).
+
+    An elastic group grows only onto nodes that exist. On an autoscaling cluster nothing adds them
+    unless something asks: the group's placement group asks only for its current size. As Ray Train V2
+    does for elastic runs, the trainer asks for ``max`` workers' bundles with
+    ``ray.autoscaler.sdk.request_resources`` while the run lasts, and withdraws the request when it ends
+    (finished, failed or interrupted), so that the autoscaler gives idle nodes back. Without an
+    autoscaler the request changes nothing. ``request_resources`` holds one request per cluster, the
+    newest: a job that makes its own request replaces zeroray's, and the other way round.
+    """
+
+    def __init__(self, workers: int, resources_per_worker: dict[str, float]) -> None:
+        self.bundles = [dict(resources_per_worker) for _ in range(workers)]
+
+    def __enter__(self) -> AutoscalerDemand:
+        from ray.autoscaler.sdk import request_resources
+
+        request_resources(bundles=self.bundles)
+        logger.info("zeroray: asked the autoscaler for room for %d workers of %s", len(self.bundles), self.bundles[0])
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        from ray.autoscaler.sdk import request_resources
+
+        try:
+            request_resources(bundles=[])
+        except Exception as e:  # the cluster may be gone (Ctrl-C during shutdown); the request dies with it
+            logger.warning("zeroray: could not withdraw the autoscaler request: %s", e)

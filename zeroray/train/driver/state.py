@@ -14,7 +14,7 @@ import enum
 from dataclasses import dataclass, field
 
 from zeroray.train.errors import Failure
-from zeroray.train.scaling_policy import ScalingDecision
+from zeroray.train.sizing import ScalingDecision
 
 
 class StateType(enum.Enum):

@@ -20,10 +20,9 @@ from typing import Any
 
 from zeroray.monitoring import flops
 from zeroray.monitoring import metrics as M
-from zeroray.train.context import ReportCallback
-from zeroray.train.gauges import GaugeSet
-from zeroray.train.report import RankStats
-from zeroray.train.reporting import finite_or_none
+from zeroray.monitoring.gauges import GaugeSet
+from zeroray.train.report import RankStats, finite_or_none
+from zeroray.train.worker.context import ReportCallback
 
 logger = logging.getLogger(__name__)
 
@@ -86,12 +85,12 @@ class RankMetrics(ReportCallback):
                 logger.warning("zeroray: rank %d could not export its Ray metrics", self.rank, exc_info=True)
 
     def _export(self, metrics: dict[str, Any], stats: RankStats, num_reports: int) -> None:
-        from zeroray.train.context import get_session
+        from zeroray.train.worker.context import get_session
 
         session = get_session("report()")
         engine = session.engine
         if not self.gauges.tags:
-            from zeroray.config_loader import load_config
+            from zeroray.config.load import load_config
 
             stage = engine.stage if engine is not None else load_config(session.zero_config, defer=True).stage
             self.gauges.tags = {"run": self.run, "rank": str(self.rank), "node": self.node, "stage": str(stage)}

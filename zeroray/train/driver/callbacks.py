@@ -8,7 +8,7 @@ runs the built-ins that :func:`default_callbacks` lists (``controller.py``), the
 logged and never fails the run; an exception out of any hook fails it (:class:`~zeroray.train.errors.CallbackError`).
 
 A rank's own side effects of a report (its Ray metrics, a recovery point) are
-:class:`~zeroray.train.context.ReportCallback` s, run inside the rank; they are not user-registrable.
+:class:`~zeroray.train.worker.context.ReportCallback` s, run inside the rank; they are not user-registrable.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from zeroray.train import state as S
-from zeroray.train.progress import Progress
+from zeroray.train.driver import state as S
+from zeroray.train.driver.progress import Progress
+from zeroray.train.driver.run_dir import RunStorage
 from zeroray.train.report import Report
-from zeroray.train.storage import RunStorage
 
 if TYPE_CHECKING:
     from zeroray.train.result import Attempt
@@ -64,7 +64,7 @@ class ControllerCallback:
     """
 
     def after_state_change(self, previous: S.ControllerState | None, current: S.ControllerState) -> None:
-        """The controller moved from ``previous`` (None at the start) to ``current`` (``zeroray.train.state``:
+        """The controller moved from ``previous`` (None at the start) to ``current`` (``zeroray.train.driver.state``:
         ``current.type`` is a ``StateType``; ``Scheduling.decision`` / ``Resizing.decision`` the world size,
         ``Restarting.failures``, ``Errored.error``). RUNNING -> RUNNING comes at every poll; compare the
         types for a real change."""

@@ -14,7 +14,7 @@ group down.
 Elastic runs (``ScalingConfig(num_workers=(min, max))``): RESTARTING asks the policy for the size the
 cluster holds now (a lost node shrinks the group instead of being waited for); RUNNING asks it every
 ``elastic_resize_monitor_interval_s`` and a different answer is a planned resize: RESIZING asks the
-ranks for a recovery point (they save and stop at their next report, recovery_point.py), tears the
+ranks for a recovery point (they save and stop at their next report, worker/recovery.py), tears the
 group down and schedules the new size, which resumes from that checkpoint with no step lost. A group
 that cannot be placed at the size the nodes' capacity promised (a dead node Ray still lists, resources
 someone else holds) is retried at the size that is free then.
@@ -34,27 +34,27 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from zeroray.train import state as S
-from zeroray.train.callbacks import (
+from zeroray.train.driver import state as S
+from zeroray.train.driver.callbacks import (
     ControllerCallback,
     HistoryCallback,
     MetricsFileCallback,
     ProgressCallback,
     RunInfoCallback,
 )
-from zeroray.train.checkpoint_manager import latest_checkpoint
-from zeroray.train.controller_metrics import ControllerMetrics
+from zeroray.train.driver.failure_policy import FailureDecision, FailurePolicy
+from zeroray.train.driver.lease import RunLease
+from zeroray.train.driver.metrics import ControllerMetrics
+from zeroray.train.driver.progress import Progress
+from zeroray.train.driver.run_dir import RunStorage
+from zeroray.train.driver.scaling_policy import ScalingPolicy
 from zeroray.train.errors import CallbackError, Failure, StartFailure, TrainingFailedError, WorkerFailure
-from zeroray.train.failure_policy import FailureDecision, FailurePolicy
-from zeroray.train.lease import RunLease
-from zeroray.train.poll import PollStatus
-from zeroray.train.progress import Progress
+from zeroray.train.group.poll import PollStatus
+from zeroray.train.group.worker_group import RankSlot, WorkerGroup, WorkerGroupStartError, end_slots
 from zeroray.train.report import Report
-from zeroray.train.result import Attempt, Result
+from zeroray.train.result import Attempt, Result, latest_checkpoint
 from zeroray.train.run_spec import RunSpec
-from zeroray.train.scaling_policy import ScalingDecision, ScalingPolicy
-from zeroray.train.storage import RunStorage
-from zeroray.train.worker_group import RankSlot, WorkerGroup, WorkerGroupStartError, end_slots
+from zeroray.train.sizing import ScalingDecision
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from zeroray.engine.layout import param_pool_size as pool_size
-from zeroray.engine.swap import AlignedBuffer, SwapDir, aligned, wait_all
+from zeroray.engine.offload.files import AlignedBuffer, SwapDir, aligned, wait_all
 
 if TYPE_CHECKING:
     from zeroray.engine.flat_group import FlatGroup

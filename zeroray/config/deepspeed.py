@@ -4,7 +4,7 @@ Every key a user may write is in :data:`TABLE` as one of
 
 - :class:`Field`: used. Its value is converted (JSON ``5e8`` -> ``500000000``, ``true`` -> ``"fp16"``)
   and placed at a :class:`~zeroray.config.ZeroConfig` path; ``"auto"`` is left to
-  :mod:`zeroray.hf_auto`. Values are judged only by ``ZeroConfig.validate``; its errors are mapped
+  :mod:`zeroray.config.hf_auto`. Values are judged only by ``ZeroConfig.validate``; its errors are mapped
   back to the key (:meth:`Reading.key_for`).
 - :class:`Ignored`: ignored, with a WARNING line on the ``"zeroray"`` logger naming the key and why that is safe.
 - :class:`Refused`: refused with an error naming the key, unless the value is one of ``unless``
@@ -14,7 +14,7 @@ Every key a user may write is in :data:`TABLE` as one of
 
 Keys that are not in the table are refused with a did-you-mean: a typo such as ``"stgae"`` must not
 quietly train with stage 0. ``null`` means "not given". The key reference in docs/configuration.md is generated
-from this table (``zeroray/config_reference.py``).
+from this table (``zeroray/config/reference.py``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from zeroray.hf_auto import NOT_GIVEN
+from zeroray.config.hf_auto import NOT_GIVEN
 
 __all__ = ["AUTO", "TABLE", "DeepSpeedConfigError", "Feature", "Field", "Ignored", "Reading", "Refused", "read_deepspeed"]
 

@@ -1,18 +1,8 @@
-"""Where the sharded optimizer's fp32 masters and states live between steps: one decision.
-
-- :class:`ResidentHome`: in memory, on the compute device (no offload) or in host memory
-  (``offload_optimizer.device="cpu"``). The torch optimizer's parameters are views of each flat
-  group's master; its states are its own tensors. On a CPU-only machine host memory *is* the
-  device, so CPU offload is this same path with no copy at all.
-- :class:`NvmeHome`: in swap files (``offload_optimizer.device="nvme"``), one per sub-group. Host
-  memory holds a fixed pool of ``buffer_count`` aligned buffers, each one sub-group's master and
-  states: while sub-group i is stepped, i+1 is read into the next buffer and i-1 is written back
-  from the one before (with ``buffer_count`` >= 3 all three overlap). The last writes of a step
-  finish behind the next forward and backward; anything that reads the states waits for them.
-
-:class:`~zeroray.engine.sharded_optim.ShardedOptimizer` drives a home through :meth:`StateHome.cycle`
-and never knows which one it has.
-"""
+"""Masters and states in swap files (``offload_optimizer.device="nvme"``), one per sub-group. Host
+memory holds a fixed pool of ``buffer_count`` aligned buffers, each one sub-group's master and states:
+while sub-group i is stepped, i+1 is read into the next buffer and i-1 is written back from the one
+before (with ``buffer_count`` >= 3 all three overlap). The last writes of a step finish behind the next
+forward and backward; anything that reads the states waits for them."""
 
 from __future__ import annotations
 
@@ -26,251 +16,20 @@ from concurrent.futures import Future
 import torch
 
 from zeroray.engine.flat_group import FlatGroup
+from zeroray.engine.offload.files import (
+    ALIGN,
+    AlignedBuffer,
+    SwapDir,
+    aligned,
+    read_exact,
+    settle_all,
+    wait_all,
+)
+from zeroray.engine.offload.home import Fill, StateHome, elementwise_states, scalar_state
 from zeroray.engine.sub_groups import ParamSlice, SubGroup
-from zeroray.engine.swap import ALIGN, AlignedBuffer, SwapDir, aligned, read_exact, settle_all, wait_all
 
 _F32 = 4
 _COPY_HEADROOM = 64 << 20  # bytes a copy of the swap files leaves free on their disk
-
-# ``fill(parts)``: write into each ``dest`` the values ``[lo, hi)`` of ``piece``'s ``key``, where lo/hi
-# count elements of the piece's group shard (the piece covers ``[piece.lo, piece.hi)`` of it).
-Fill = Callable[[list[tuple[ParamSlice, str, int, int, torch.Tensor]]], None]
-
-
-def elementwise_states(state: dict, numel: int) -> dict[str, torch.Tensor]:
-    """The states shaped like their parameter (Adam's moments); scalars (``step``) are left out."""
-    return {k: v for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0 and v.numel() == numel}
-
-
-class StateHome:
-    """Interface; see the module docstring."""
-
-    def attach(self, groups: Sequence[FlatGroup]) -> None:
-        """Called once, before the optimizer's parameters are made."""
-
-    def param_data(self, g: FlatGroup, lo: int, hi: int) -> torch.Tensor:
-        raise NotImplementedError
-
-    def prepare(self, subs: Sequence[SubGroup], optimizer: torch.optim.Optimizer) -> None:
-        """Called once the optimizer exists."""
-
-    lazy_grads = False  # see GradShards: fp32 gradients made per sub-group, as it is stepped
-    early_grads = False  # grad_ready() wants each group's final gradient shard as soon as it is reduced
-    publishes_shards = False  # publish() writes the compute shards itself (the engine need not copy the masters)
-
-    def grad_ready(self, g: FlatGroup) -> None:
-        """``g``'s gradient shard holds its final value for this step (called during backward when
-        :attr:`early_grads`)."""
-
-    def settle(self) -> None:
-        """Wait for copies in flight that read the masters, before anyone writes them."""
-
-    def grad(self, g: FlatGroup, lo: int = 0, hi: int | None = None) -> torch.Tensor:
-        """``g``'s gradient shard (or its ``[lo, hi)``) in fp32 where the optimizer runs; eager
-        homes may return the shard itself (scaled in place) or a reused buffer."""
-        raise NotImplementedError
-
-    def cycle(self, subs: Sequence[SubGroup], optimizer: torch.optim.Optimizer) -> Iterator[tuple[SubGroup, None]]:
-        """Yield each sub-group with its master and states in place for ``optimizer.step()``."""
-        raise NotImplementedError
-
-    def publish(self, sub: SubGroup) -> None:
-        """The sub-group was stepped: its new masters may go into the compute shards now."""
-
-    def master(self, g: FlatGroup) -> torch.Tensor:
-        raise NotImplementedError
-
-    def states(self, piece: ParamSlice, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-        raise NotImplementedError
-
-    def load(self, piece: ParamSlice, weight: torch.Tensor, states: dict[str, torch.Tensor], scalars: dict[str, float],
-             optimizer: torch.optim.Optimizer) -> None:
-        raise NotImplementedError
-
-    # Homes that keep masters and states out of memory (``in_memory`` False) move them through their
-    # own bounded buffers instead of whole tensors: ``state_keys``/``stream`` to read, ``load_stream`` to write.
-    in_memory = True
-
-    def state_keys(self, piece: ParamSlice, optimizer: torch.optim.Optimizer) -> list[str]:
-        """Names of ``piece``'s elementwise optimizer states (none before its first step), sorted."""
-        return sorted(self.states(piece, optimizer))
-
-    def stream(self, pieces: Sequence[ParamSlice], key: str, optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
-        """``pieces``' values of ``key`` ("weight": the master) in order, as consecutive 1-D fp32
-        tensors; each is valid until the next one is asked for."""
-        raise NotImplementedError
-
-    def load_stream(self, subs: Sequence[SubGroup], keys: Callable[[ParamSlice], Sequence[str]], fill: Fill,
-                    scalars: Callable[[ParamSlice], dict[str, float]], optimizer: torch.optim.Optimizer) -> None:
-        """Install every piece's ``keys(piece)`` ("weight" and the states it was saved with, or
-        "weight" alone: fresh states) from values ``fill`` writes into the home's buffers."""
-        raise NotImplementedError
-
-    def copy(self) -> SwapCopy | None:
-        """A copy of the masters and states on disk that training may run past (None: they are not
-        in files, or the disk has no room for a copy)."""
-        return None
-
-    def set_master(self, piece: ParamSlice, values: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
-        raise NotImplementedError
-
-    def memory(self, subs: Sequence[SubGroup], optimizer: torch.optim.Optimizer) -> dict[str, int]:
-        """``{"master": , "states": , "host": , "nvme": }`` bytes: masters and states held on the compute
-        device; host memory held for offload (masters, states, grad copies, swap buffers); swap files."""
-        raise NotImplementedError
-
-    def io_report(self) -> dict[str, float]:
-        """Swap traffic and the time the step spent blocked on it (NVMe only)."""
-        return {}
-
-    def close(self) -> None:
-        """Release what the home holds (swap files included)."""
-
-
-def _scalar_state(scalars: dict[str, float]) -> dict[str, torch.Tensor]:
-    return {k: torch.tensor(v, dtype=torch.float32) for k, v in scalars.items()}
-
-
-class ResidentHome(StateHome):
-    """Masters and states in memory: each flat group's ``master`` (made by ``FlatGroup.install`` on
-    ``master_device``) and the torch optimizer's own state tensors."""
-
-    def __init__(self, compute_device: torch.device, master_device: torch.device, pin_memory: bool):
-        self.compute_device = compute_device
-        self.master_device = master_device
-        self.offloaded = master_device != compute_device
-        self.pin = pin_memory and self.offloaded and compute_device.type == "cuda"
-        # CPU offload on CUDA with pinned buffers: gradient shards go to the host on a side stream as
-        # each group's reduction completes (overlapping backward), and each stepped sub-group's masters
-        # go back to the device at once, cast there (overlapping the next sub-group's CPU step).
-        self.early_grads = self.pin
-        self.publishes_shards = self.offloaded
-        self._host_grads: dict[FlatGroup, torch.Tensor] = {}
-        self._copies: dict[FlatGroup, torch.cuda.Event] = {}  # device -> host copies in flight
-        self._copy_stream: torch.cuda.Stream | None = None
-        self._published: torch.cuda.Event | None = None  # the last host -> device copy of masters
-        self._io = {"bytes_to_host": 0, "bytes_to_device": 0, "grad_copies_in_backward": 0, "grad_copies_in_step": 0,
-                    "grad_wait_s": 0.0}
-
-    def param_data(self, g: FlatGroup, lo: int, hi: int) -> torch.Tensor:
-        return g.master if (lo, hi) == (0, g.shard_numel) else g.master[lo:hi]
-
-    def attach(self, groups: Sequence[FlatGroup]) -> None:
-        # 16-bit gradients on the device are cast to fp32 per sub-group as it is stepped (GradShards,
-        # lazy): the step then holds one sub-group's fp32 copy, not the whole shard's (20 -> 16 bytes a
-        # parameter at the step's peak, bf16 at world 1). fp32 gradient shards are used in place.
-        self.lazy_grads = not self.offloaded and any(g.grad_shard.dtype != g.master.dtype for g in groups)
-
-    def _host_grad(self, g: FlatGroup) -> torch.Tensor:
-        """``g``'s reusable host buffer for its fp32 gradient shard (pinned on CUDA)."""
-        buf = self._host_grads.get(g)
-        if buf is None:
-            buf = torch.empty(g.grad_shard.shape, dtype=g.master.dtype, device=self.master_device, pin_memory=self.pin)
-            self._host_grads[g] = buf
-        return buf
-
-    def grad_ready(self, g: FlatGroup) -> None:
-        stream = self._copy_stream
-        if stream is None:
-            stream = self._copy_stream = torch.cuda.Stream(self.compute_device)
-        buf = self._host_grad(g)
-        stream.wait_stream(torch.cuda.current_stream(self.compute_device))  # behind the reduction's result
-        with torch.cuda.stream(stream):
-            buf.copy_(g.grad_shard, non_blocking=True)  # cast to fp32 on the device, then one DMA
-            done = torch.cuda.Event()
-            done.record(stream)
-        self._copies[g] = done
-        self._io["bytes_to_host"] += buf.nbytes
-        self._io["grad_copies_in_backward"] += 1
-
-    def grad(self, g: FlatGroup, lo: int = 0, hi: int | None = None) -> torch.Tensor:
-        gs = g.grad_shard
-        if not self.offloaded:
-            if hi is not None or lo:
-                gs = gs[lo:hi]
-            return gs if gs.dtype == g.master.dtype else gs.to(g.master.dtype)
-        buf = self._host_grad(g)
-        t0 = time.perf_counter()
-        done = self._copies.pop(g, None)
-        if done is not None:  # started during backward
-            done.synchronize()
-        else:
-            buf.copy_(gs, non_blocking=self.pin)  # device -> host into the reusable buffer, cast on the way
-            if self.pin:
-                torch.cuda.current_stream(self.compute_device).synchronize()
-            self._io["bytes_to_host"] += buf.nbytes
-            self._io["grad_copies_in_step"] += 1
-        self._io["grad_wait_s"] += time.perf_counter() - t0
-        return buf
-
-    def settle(self) -> None:
-        if self._published is not None:
-            self._published.synchronize()
-            self._published = None
-
-    def cycle(self, subs: Sequence[SubGroup], optimizer: torch.optim.Optimizer) -> Iterator[tuple[SubGroup, None]]:
-        self.settle()
-        for sub in subs:
-            yield sub, None
-
-    def publish(self, sub: SubGroup) -> None:
-        if not self.publishes_shards:
-            return
-        for piece in sub.pieces:  # pinned: cast on the device, and the host goes on stepping the next sub-group
-            g = piece.group
-            g.write_shard(piece.lo, piece.hi, piece.param.data, non_blocking=self.pin)
-            self._io["bytes_to_device"] += piece.numel * g.shard.element_size()
-        if self.pin:
-            self._published = torch.cuda.Event()
-            self._published.record(torch.cuda.current_stream(self.compute_device))
-
-    def io_report(self) -> dict[str, float]:
-        """CPU offload on an accelerator: bytes copied each way, gradient copies started during backward
-        or in the step, and seconds the step waited for them (cumulative; empty without offload)."""
-        return dict(self._io) if self.offloaded else {}
-
-    def master(self, g: FlatGroup) -> torch.Tensor:
-        return g.master
-
-    def states(self, piece: ParamSlice, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-        return {k: v.reshape(-1) for k, v in elementwise_states(optimizer.state.get(piece.param, {}), piece.numel).items()}
-
-    def load(self, piece: ParamSlice, weight: torch.Tensor, states: dict[str, torch.Tensor], scalars: dict[str, float],
-             optimizer: torch.optim.Optimizer) -> None:
-        self.settle()
-        piece.param.data.copy_(weight.reshape(-1))
-        if states:
-            state: dict = {k: v.reshape(-1).to(device=self.master_device, dtype=piece.param.dtype) for k, v in states.items()}
-            state.update(_scalar_state(scalars))
-            optimizer.state[piece.param] = state
-        else:
-            optimizer.state.pop(piece.param, None)
-
-    def set_master(self, piece: ParamSlice, values: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
-        self.settle()
-        piece.param.data.copy_(values)
-
-    def memory(self, subs: Sequence[SubGroup], optimizer: torch.optim.Optimizer) -> dict[str, int]:
-        masters = {id(p.group): p.group.master_bytes() for s in subs for p in s.pieces}
-        master = sum(masters.values())
-        states = sum(
-            v.numel() * v.element_size()
-            for s in subs
-            for p in s.pieces
-            for v in optimizer.state.get(p.param, {}).values()
-            if torch.is_tensor(v)
-        )
-        if not self.offloaded:
-            return {"master": master, "states": states, "host": 0, "nvme": 0}
-        grads = sum(t.numel() * t.element_size() for t in self._host_grads.values())
-        # fp32 compute at stage 3 keeps no separate master on the device; any master here is on the host
-        return {"master": 0, "states": 0, "host": master + states + grads, "nvme": 0}
-
-    def close(self) -> None:
-        for done in self._copies.values():  # no copy may still write a buffer that is given back
-            done.synchronize()
-        self._copies.clear()
-        self.settle()
 
 
 class NvmeHome(StateHome):
@@ -556,7 +315,7 @@ class NvmeHome(StateHome):
                 _, off = self._offsets[id(piece.param)]
                 piece.group.write_shard(piece.lo, piece.hi, self._segment(buf, i, 0)[off : off + piece.numel])
                 if wanted[id(piece.param)]:
-                    optimizer.state[piece.param] = _scalar_state(scalars(piece))
+                    optimizer.state[piece.param] = scalar_state(scalars(piece))
                 else:
                     optimizer.state.pop(piece.param, None)
                     for s in range(1, 1 + len(self.keys or ())):  # fresh: zeros, as states() reads them
@@ -692,20 +451,3 @@ class SwapCopy:
             self._buf.close()
             self._buf = None
         shutil.rmtree(self.path, ignore_errors=True)
-
-
-def expected_state_count(optimizer: torch.optim.Optimizer) -> int:
-    """Elementwise states per parameter the optimizer will make (for the free-space check and the
-    first buffers; a wrong guess only costs a resize at the first step)."""
-    name = type(optimizer).__name__
-    d = optimizer.defaults
-    if name in ("Adam", "AdamW", "NAdam", "RAdam", "Adamax"):
-        return 3 if d.get("amsgrad") else 2
-    if name == "SGD":
-        return 1 if d.get("momentum", 0) else 0
-    if name in ("Adagrad", "Adadelta"):
-        return 1 if name == "Adagrad" else 2
-    if name == "RMSprop":
-        return 1 + bool(d.get("momentum", 0)) + bool(d.get("centered"))
-    return 2
-

@@ -40,8 +40,8 @@ from typing import Any
 from fsspec.implementations.local import LocalFileSystem
 
 from zeroray.storage import atomic_write, protocols
+from zeroray.train.driver.run_dir import LEASE, RunStorage
 from zeroray.train.errors import RunLeaseError
-from zeroray.train.storage import LEASE, RunStorage
 
 logger = logging.getLogger(__name__)
 

@@ -27,15 +27,16 @@ import torch
 
 from zeroray.checkpoint.snapshot import SnapshotStore
 from zeroray.engine import Comm, import_before_group
-from zeroray.train import checkpoint_manager, rendezvous
-from zeroray.train.context import RankInfo, Session, TrainContext, set_session
 from zeroray.train.errors import WorkerFailure, is_collective_error, is_collective_timeout
-from zeroray.train.poll import PollAnswer
-from zeroray.train.priority import threads_niceness, to_normal_priority
-from zeroray.train.recovery_point import RecoveryPointReached
+from zeroray.train.group import rendezvous
+from zeroray.train.group.poll import PollAnswer
+from zeroray.train.group.priority import threads_niceness, to_normal_priority
 from zeroray.train.report import Report
 from zeroray.train.run_spec import RunSpec
-from zeroray.train.scaling_policy import BatchSizes
+from zeroray.train.sizing import BatchSizes
+from zeroray.train.worker import recovery
+from zeroray.train.worker.context import RankInfo, Session, TrainContext, set_session
+from zeroray.train.worker.recovery import RecoveryPointReached
 
 # How long release lets rank 0's async save commit by itself before it stops the commit's wait for a peer.
 COMMIT_GRACE_S = 1.0
@@ -65,7 +66,7 @@ def _import_ahead() -> None:
     import_before_group()
     import torch._dynamo  # noqa: F401
 
-    import zeroray.train.ray_metrics  # noqa: F401
+    import zeroray.train.worker.metrics  # noqa: F401
 
 
 class RankActor:
@@ -132,7 +133,7 @@ class RankActor:
             torch.cuda.set_device(device)  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU(s)
         report_group = rendezvous.init_process_group(master_addr, master_port, info, spec.backend,
                                                      spec.collective_timeout_s)
-        from zeroray.train.ray_metrics import RankMetrics
+        from zeroray.train.worker.metrics import RankMetrics
 
         callbacks = []
         try:
@@ -145,7 +146,7 @@ class RankActor:
         self.session = Session(ctx, spec, dataset_shards, Comm(report_group), report_callbacks=callbacks,
                                elastic=elastic, snapshots=self.snapshots)
         if elastic:
-            from zeroray.train.recovery_point import RecoveryPointCallback
+            from zeroray.train.worker.recovery import RecoveryPointCallback
 
             callbacks.append(RecoveryPointCallback(self.session))  # last: it may end the loop
         set_session(self.session)
@@ -159,7 +160,7 @@ class RankActor:
         self.thread.start()
 
     def _run(self) -> None:
-        from zeroray.train.reporting import finish
+        from zeroray.train.worker.reporting import finish
 
         session = self.session
         self.loop_started_at = time.time()
@@ -167,7 +168,7 @@ class RankActor:
             if self.use_gpu:
                 torch.cuda.set_device(session.context.device)  # the current device is per thread
             session.spec.run_loop()
-            checkpoint_manager.wait(session)  # join an async save (rank 0: committed) before "done"
+            recovery.wait_for_save(session)  # join an async save (rank 0: committed) before "done"
             finish(session)
         except RecoveryPointReached as e:
             self.stopped_at, self.stopped = e.step, True
@@ -211,7 +212,7 @@ class RankActor:
                 "first_step": max(first_report_at - ready - load, 0.0)}
 
     def request_recovery_point(self) -> None:
-        """A planned resize: stop the loop at the next report, after saving the engine (recovery_point.py)."""
+        """A planned resize: stop the loop at the next report, after saving the engine (worker/recovery.py)."""
         if self.session is not None:
             self.session.stop_requested = True
 

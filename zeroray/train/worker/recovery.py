@@ -1,49 +1,44 @@
-"""The trainer's checkpoints: where ``zt.report(checkpoint=True)`` saves, what a (re)started group
-resumes from, and what ``Result.checkpoint`` names.
+"""The rank's half of recovery: checkpoints, in-memory snapshots and recovery points, as the loop runs them.
 
+**Checkpoints.** Where ``zt.report(checkpoint=True)`` saves and what a (re)started group resumes from.
 Storage is the one source of truth, kept by ``zeroray.checkpoint``: every rank writes its shard, rank 0
 commits the manifest and applies ``CheckpointConfig.num_to_keep`` (``zc.save``), and the newest
 *valid* committed ``<run>/checkpoint_<global step>`` (its manifest parses, its files are there) is
 found by listing the run (``zc.latest_valid``), so a torn or damaged newest one falls back to the one
 before it. So a restart after a failure and a new ``fit()`` with the same name and storage path
-resume alike, at any world size and stage (the checkpoint reshards). The driver keeps no list of its own.
+resume alike, at any world size and stage (the checkpoint reshards). The driver keeps no list of its
+own (what it reads, ``Result.checkpoint``, is :func:`zeroray.train.result.latest_checkpoint`). Async
+saves go through one ``zc.AsyncSaver`` per rank, held on the session (``checkpoint_saver``) from the
+first async save to the end of the loop.
 
-Async saves go through one ``zc.AsyncSaver`` per rank, held on the session (``checkpoint_saver``)
-from the first async save to the end of the loop.
+**Snapshots** (``FailureConfig.snapshot_interval``): when a rank takes one, and the group identity they
+are filed under. The snapshots, their copies on a buddy rank on another node and the restore are
+:mod:`zeroray.checkpoint.snapshot`. The rank actor keeps its ``SnapshotStore`` from one group to the
+next: that is what lets a restarted group, at any size, recover from its ranks' memory (:func:`resume`).
+
+**Recovery points**: a planned resize stops the loop right after a checkpoint, so it loses no step.
+The driver cannot stop the user's loop from outside without losing the steps since the last
+checkpoint, so it asks the ranks (``RankActor.request_recovery_point``) and they stop at their next
+``zt.report``: in an elastic run every report ends with one more small exchange on the report group,
+in which the ranks agree whether any of them was asked (they may hear the request at different
+reports; the exchange makes it the same report for all). Then every rank saves the engine at its
+current step, unless that step is already saved, waits for the commit, and leaves its loop by raising
+:class:`RecoveryPointReached`, which the actor reports as "stopped at step N", not as a failure.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+import uuid
 from typing import Any
 
 import zeroray.checkpoint as zc
 from zeroray.checkpoint import snapshot
-from zeroray.train.context import Session
+from zeroray.train.report import RankStats, Report
+from zeroray.train.worker.context import ReportCallback, Session
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Checkpoint:
-    """A committed checkpoint of the run, as ``Result.checkpoint`` (like ``ray.train.Checkpoint``).
-
-    ``path``: the checkpoint directory's URL on ``RunConfig.storage_path``; pass it, with
-    ``RunConfig.storage_options``, to ``zeroray.checkpoint.load`` / ``export`` /
-    ``CheckpointReader(...).verify``.
-    ``step``: the engine's ``global_step`` when it was saved.
-    """
-
-    path: str
-    step: int
-
-
-def latest_checkpoint(run_url: str, storage_options: dict[str, Any] | None = None) -> Checkpoint | None:
-    """Driver side: the run's newest valid committed checkpoint on storage, or None."""
-    info = zc.latest_valid(run_url, storage_options)
-    return Checkpoint(info.url, info.step) if info is not None else None
 
 
 def resume(session: Session) -> bool:
@@ -66,7 +61,7 @@ def resume(session: Session) -> bool:
             choice, url = None, newest.url
     if choice is None and url is None:
         return False
-    wait(session)  # an async save of an earlier engine of this loop must not race the read
+    wait_for_save(session)  # an async save of an earlier engine of this loop must not race the read
     start = time.perf_counter()
     if choice is not None:
         snapshot.restore(engine, comm, session.snapshots, choice)
@@ -118,7 +113,7 @@ def require_engine(session: Session) -> None:
         )
 
 
-def save(session: Session) -> None:
+def save_checkpoint(session: Session) -> None:
     """Collective, in ``zt.report`` (after ``require_engine``): save the engine to
     ``<run>/checkpoint_<global step>``, sync or async per ``CheckpointConfig``; retention runs after the
     commit."""
@@ -129,19 +124,75 @@ def save(session: Session) -> None:
         session.snapshots.saved_step = max(session.snapshots.saved_step or 0, engine.global_step)
     options = {"storage_options": session.storage_options, "num_to_keep": cfg.num_to_keep}
     if not cfg.async_save:
-        wait(session)  # a sync save after an async one: one save in flight at a time
+        wait_for_save(session)  # a sync save after an async one: one save in flight at a time
         zc.save(engine, url, **options)
         return
     saver = session.checkpoint_saver
     if saver is None or saver.engine is not engine:  # first async save, or a new engine
-        wait(session)
+        wait_for_save(session)
         saver = zc.AsyncSaver(engine)
         session.checkpoint_saver = saver
     saver.save(url, **options)
 
 
-def wait(session: Session) -> None:
+def wait_for_save(session: Session) -> None:
     """After the loop returns, before the rank reports done: join this rank's async save (on rank 0:
     until it is committed), so teardown never cuts a checkpoint short."""
     if session.checkpoint_saver is not None:
         session.checkpoint_saver.wait()
+
+
+def snapshot_due(session: Session) -> bool:
+    """A snapshot at this report: every ``snapshot_interval`` optimizer steps, once per step (the same answer
+    on every rank: their engines are at the same step)."""
+    if session.snapshots is None or session.engine is None:
+        return False
+    step = int(session.engine.global_step)
+    return step > 0 and step % session.spec.snapshot_interval == 0 and step != session.last_snapshot_step
+
+
+def take_snapshot(session: Session) -> tuple[float, int]:
+    """Collective, in ``zt.report``: snapshot this rank, replicate it on its buddy; (seconds the loop was
+    blocked, bytes of this rank's snapshot)."""
+    start = time.perf_counter()
+    if session.snapshot_group is None:  # the group's id and its ranks' nodes, once per group
+        gathered = session.report_comm.all_gather_object((session.context.get_node_rank(), uuid.uuid4().hex))
+        session.snapshot_group = (gathered[0][1], [node for node, _ in gathered])
+    group_id, nodes = session.snapshot_group
+    snap = snapshot.take(session.engine, group_id)
+    snapshot.replicate(session.report_comm, session.snapshots, snap, nodes)
+    session.last_snapshot_step = snap.header.step
+    return time.perf_counter() - start, snap.header.nbytes
+
+
+class RecoveryPointReached(BaseException):  # noqa: N818 - a control-flow signal, not an error
+    """Raised out of ``zt.report`` to end the loop at a recovery point; a BaseException so that a loop's
+    ``except Exception`` does not swallow it. ``step``: the engine's global step saved (None: no engine)."""
+
+    def __init__(self, step: int | None) -> None:
+        super().__init__(f"stopped at a recovery point (step {step})")
+        self.step = step
+
+
+class RecoveryPointCallback(ReportCallback):
+    """In each rank of an elastic run, the last thing a report does (see the module docstring's recovery points)."""
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+
+    def after_report(self, metrics: dict[str, Any], stats: RankStats, num_reports: int) -> None:
+        session = self.session
+        gathered = session.report_comm.all_gather_object((session.stop_requested, stats))
+        if not any(asked for asked, _ in gathered):
+            return
+        engine = session.engine
+        step = None
+        if engine is not None:
+            step = int(engine.global_step)
+            if session.last_saved_step != step:
+                save_checkpoint(session)
+            wait_for_save(session)
+        if session.context.get_world_rank() == 0:  # the report this exchange ended: zt.report queues it after us
+            ranks = tuple(s for _, s in gathered)
+            session.reports.put(Report(index=num_reports, time=time.time(), metrics=metrics, ranks=ranks))
+        raise RecoveryPointReached(step)

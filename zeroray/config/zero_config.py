@@ -2,7 +2,7 @@
 
 The field names follow DeepSpeed's JSON keys where DeepSpeed has one, so that a DeepSpeed user
 finds what they know. :meth:`ZeroConfig.validate` is the only validator: readers of other formats
-(``zeroray.deepspeed_config``, loaded through ``zeroray.config_loader.load_config``) only convert
+(``zeroray.config.deepspeed``, loaded through ``zeroray.config.load.load_config``) only convert
 and map, and turn a :class:`ConfigError`'s field paths back into the keys their user wrote. This
 module imports neither of them, nor the engine.
 """
@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from zeroray.optim_spec import optimizer_spec_problems, scheduler_spec_problems
+from zeroray.config.optim_spec import optimizer_spec_problems, scheduler_spec_problems
 
 Precision = Literal["fp32", "bf16", "fp16"]
 OffloadDevice = Literal["none", "cpu", "nvme"]

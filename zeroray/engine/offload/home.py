@@ -1,0 +1,145 @@
+"""Where the sharded optimizer's fp32 masters and states live between steps: the interface.
+
+- :class:`~zeroray.engine.offload.resident.ResidentHome`: in memory, on the compute device (no
+  offload) or in host memory (``offload_optimizer.device="cpu"``).
+- :class:`~zeroray.engine.offload.nvme.NvmeHome`: in swap files (``offload_optimizer.device="nvme"``),
+  one per sub-group, through a fixed pool of aligned host buffers.
+
+:class:`~zeroray.engine.sharded_optim.ShardedOptimizer` drives a home through :class:`StateHome` and
+never knows which one it has: stepping (:meth:`StateHome.cycle`), reading (:meth:`StateHome.stream`)
+and loading (:meth:`StateHome.load_stream`) go through the same methods whichever it is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Protocol
+
+import torch
+
+from zeroray.engine.flat_group import FlatGroup
+from zeroray.engine.sub_groups import ParamSlice, SubGroup
+
+# ``fill(parts)``: write into each ``dest`` the values ``[lo, hi)`` of ``piece``'s ``key``, where lo/hi
+# count elements of the piece's group shard (the piece covers ``[piece.lo, piece.hi)`` of it).
+Fill = Callable[[list[tuple[ParamSlice, str, int, int, torch.Tensor]]], None]
+
+
+def elementwise_states(state: dict, numel: int) -> dict[str, torch.Tensor]:
+    """The states shaped like their parameter (Adam's moments); scalars (``step``) are left out."""
+    return {k: v for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0 and v.numel() == numel}
+
+
+def scalar_state(scalars: dict[str, float]) -> dict[str, torch.Tensor]:
+    """Scalar optimizer states (Adam's ``step``) as the torch optimizer keeps them."""
+    return {k: torch.tensor(v, dtype=torch.float32) for k, v in scalars.items()}
+
+
+class HomeCopy(Protocol):
+    """A copy of a home's masters and states that training may run past (:meth:`StateHome.copy`)."""
+
+    def stream(self, pieces: Sequence[ParamSlice], key: str) -> Iterator[torch.Tensor]: ...
+
+    def close(self) -> None: ...
+
+
+class StateHome:
+    """Interface; see the module docstring."""
+
+    def attach(self, groups: Sequence[FlatGroup]) -> None:
+        """Called once, before the optimizer's parameters are made."""
+
+    def param_data(self, g: FlatGroup, lo: int, hi: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def prepare(self, subs: Sequence[SubGroup], optimizer: torch.optim.Optimizer) -> None:
+        """Called once the optimizer exists."""
+
+    lazy_grads = False  # see GradShards: fp32 gradients made per sub-group, as it is stepped
+    early_grads = False  # grad_ready() wants each group's final gradient shard as soon as it is reduced
+    publishes_shards = False  # publish() writes the compute shards itself (the engine need not copy the masters)
+
+    def grad_ready(self, g: FlatGroup) -> None:
+        """``g``'s gradient shard holds its final value for this step (called during backward when
+        :attr:`early_grads`)."""
+
+    def settle(self) -> None:
+        """Wait for copies in flight that read the masters, before anyone writes them."""
+
+    def grad(self, g: FlatGroup, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+        """``g``'s gradient shard (or its ``[lo, hi)``) in fp32 where the optimizer runs; eager
+        homes may return the shard itself (scaled in place) or a reused buffer."""
+        raise NotImplementedError
+
+    def cycle(self, subs: Sequence[SubGroup], optimizer: torch.optim.Optimizer) -> Iterator[tuple[SubGroup, None]]:
+        """Yield each sub-group with its master and states in place for ``optimizer.step()``."""
+        raise NotImplementedError
+
+    def publish(self, sub: SubGroup) -> None:
+        """The sub-group was stepped: its new masters may go into the compute shards now."""
+
+    def master(self, g: FlatGroup) -> torch.Tensor:
+        raise NotImplementedError
+
+    def states(self, piece: ParamSlice, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def load(self, piece: ParamSlice, weight: torch.Tensor, states: dict[str, torch.Tensor], scalars: dict[str, float],
+             optimizer: torch.optim.Optimizer) -> None:
+        raise NotImplementedError
+
+    # Homes that keep masters and states out of memory (``in_memory`` False) move them through their
+    # own bounded buffers instead of whole tensors: ``state_keys``/``stream`` to read, ``load_stream`` to write.
+    in_memory = True
+
+    def state_keys(self, piece: ParamSlice, optimizer: torch.optim.Optimizer) -> list[str]:
+        """Names of ``piece``'s elementwise optimizer states (none before its first step), sorted."""
+        return sorted(self.states(piece, optimizer))
+
+    def stream(self, pieces: Sequence[ParamSlice], key: str, optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+        """``pieces``' values of ``key`` ("weight": the master) in order, as consecutive 1-D fp32
+        tensors; each is valid until the next one is asked for."""
+        raise NotImplementedError
+
+    def load_stream(self, subs: Sequence[SubGroup], keys: Callable[[ParamSlice], Sequence[str]], fill: Fill,
+                    scalars: Callable[[ParamSlice], dict[str, float]], optimizer: torch.optim.Optimizer) -> None:
+        """Install every piece's ``keys(piece)`` ("weight" and the states it was saved with, or
+        "weight" alone: fresh states) from values ``fill`` writes into the home's buffers."""
+        raise NotImplementedError
+
+    def copy(self) -> HomeCopy | None:
+        """A copy of the masters and states on disk that training may run past (None: they are not
+        in files, or the disk has no room for a copy)."""
+        return None
+
+    def set_master(self, piece: ParamSlice, values: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
+        raise NotImplementedError
+
+    def memory(self, subs: Sequence[SubGroup], optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        """``{"master": , "states": , "host": , "nvme": }`` bytes: masters and states held on the compute
+        device; host memory held for offload (masters, states, grad copies, swap buffers); swap files."""
+        raise NotImplementedError
+
+    def io_report(self) -> dict[str, float]:
+        """Swap traffic and the time the step spent blocked on it (NVMe only)."""
+        return {}
+
+    def close(self) -> None:
+        """Release what the home holds (swap files included)."""
+
+
+def expected_state_count(optimizer: torch.optim.Optimizer) -> int:
+    """Elementwise states per parameter the optimizer will make (for the free-space check and the
+    first buffers; a wrong guess only costs a resize at the first step)."""
+    name = type(optimizer).__name__
+    d = optimizer.defaults
+    if name in ("Adam", "AdamW", "NAdam", "RAdam", "Adamax"):
+        return 3 if d.get("amsgrad") else 2
+    if name == "SGD":
+        return 1 if d.get("momentum", 0) else 0
+    if name in ("Adagrad", "Adadelta"):
+        return 1 if name == "Adagrad" else 2
+    if name == "RMSprop":
+        return 1 + bool(d.get("momentum", 0)) + bool(d.get("centered"))
+    return 2
+
