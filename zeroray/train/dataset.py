@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from zeroray.train.worker.context import get_session
-
 
 def validate_datasets(datasets: Any) -> dict[str, Any]:
     """Check ``datasets`` in the driver before any actor starts."""
@@ -42,7 +40,10 @@ def split_datasets(
 
 
 def get_dataset_shard(name: str) -> Any:
-    """This rank's part of ``datasets[name]`` as a ``ray.data.DataIterator``."""
+    """This rank's part of ``datasets[name]`` as a ``ray.data.DataIterator`` (runs in the rank: imported
+    here, the driver's imports stay free of the loop's code)."""
+    from zeroray.train.worker.context import get_session
+
     session = get_session("get_dataset_shard()")
     if name not in session.dataset_shards:
         have = sorted(session.dataset_shards) or "none"

@@ -1,7 +1,8 @@
 """The run spec: everything about a ``fit()`` that does not change while it runs, in one frozen value.
 
 ``ZeroTrainer.fit`` builds it once from the checked arguments; the controller, the worker group and
-every rank actor read it (the actors get it through one ``ray.put``). Adding a setting means adding a
+every rank actor read it (the actors get it through one ``ray.put``); :class:`RankInfo` is what a rank is
+told of its own place in a group. Adding a setting means adding a
 field here, not threading a keyword through the controller, the group, the actor and the session.
 """
 
@@ -13,6 +14,17 @@ from typing import Any
 
 from zeroray.config.load import ConfigArg
 from zeroray.train.config import CheckpointConfig
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Where a rank sits in the group; computed by the driver from the placement group's nodes."""
+
+    world_rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,8 @@
 """The Ray actor that hosts one rank: its device, its process group, its engine, its loop.
 
+The driver imports this module to start the actors, so it imports the loop's own code
+(``zeroray.train.worker``) only inside the methods that run in the actor.
+
 The user's loop runs in a thread of the actor (as in Ray Train V2), so the actor's own methods stay
 answerable while it trains: the driver polls for reports and errors with ``poll`` and never blocks on
 the loop itself.
@@ -21,7 +24,7 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -32,11 +35,11 @@ from zeroray.train.group import rendezvous
 from zeroray.train.group.poll import PollAnswer
 from zeroray.train.group.priority import threads_niceness, to_normal_priority
 from zeroray.train.report import Report
-from zeroray.train.run_spec import RunSpec
+from zeroray.train.run_spec import RankInfo, RunSpec
 from zeroray.train.sizing import BatchSizes
-from zeroray.train.worker import recovery
-from zeroray.train.worker.context import RankInfo, Session, TrainContext, set_session
-from zeroray.train.worker.recovery import RecoveryPointReached
+
+if TYPE_CHECKING:
+    from zeroray.train.worker.context import Session
 
 # How long release lets rank 0's async save commit by itself before it stops the commit's wait for a peer.
 COMMIT_GRACE_S = 1.0
@@ -133,6 +136,7 @@ class RankActor:
             torch.cuda.set_device(device)  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU(s)
         report_group = rendezvous.init_process_group(master_addr, master_port, info, spec.backend,
                                                      spec.collective_timeout_s)
+        from zeroray.train.worker.context import Session, TrainContext, set_session
         from zeroray.train.worker.metrics import RankMetrics
 
         callbacks = []
@@ -160,6 +164,7 @@ class RankActor:
         self.thread.start()
 
     def _run(self) -> None:
+        from zeroray.train.worker.recovery import RecoveryPointReached, wait_for_save
         from zeroray.train.worker.reporting import finish
 
         session = self.session
@@ -168,7 +173,7 @@ class RankActor:
             if self.use_gpu:
                 torch.cuda.set_device(session.context.device)  # the current device is per thread
             session.spec.run_loop()
-            recovery.wait_for_save(session)  # join an async save (rank 0: committed) before "done"
+            wait_for_save(session)  # join an async save (rank 0: committed) before "done"
             finish(session)
         except RecoveryPointReached as e:
             self.stopped_at, self.stopped = e.step, True
@@ -234,7 +239,7 @@ class RankActor:
             return f"its checkpoint upload was still running after {timeout_s:g}s"
         for callback in self.session.report_callbacks if self.session is not None else []:
             callback.close()  # e.g. RankMetrics: stop re-sending this group's rank's series
-        set_session(None)
+        _clear_session()
         rendezvous.destroy_process_group()
         self._clear_loop()
         self.info = None
@@ -244,9 +249,15 @@ class RankActor:
 
     def shutdown(self) -> None:
         """Leave the process group when the loop is not stuck in a collective (else the actor is killed)."""
-        set_session(None)
+        _clear_session()
         if self.done:
             rendezvous.destroy_process_group()
+
+
+def _clear_session() -> None:
+    from zeroray.train.worker.context import set_session
+
+    set_session(None)
 
 
 def stack_tail(thread: threading.Thread, frames: int = 4) -> str:

@@ -14,7 +14,7 @@ import socket
 import torch.distributed as dist
 
 from zeroray.engine import import_before_group
-from zeroray.train.worker.context import RankInfo
+from zeroray.train.run_spec import RankInfo
 
 
 def node_address() -> str:

@@ -40,9 +40,8 @@ from zeroray.train.errors import WorkerFailure
 from zeroray.train.group.poll import PollAnswer, PollStatus
 from zeroray.train.group.priority import RANK_RUNTIME_ENV
 from zeroray.train.group.rank_actor import RankActor, actor_name
-from zeroray.train.run_spec import RunSpec
+from zeroray.train.run_spec import RankInfo, RunSpec
 from zeroray.train.sizing import ScalingDecision
-from zeroray.train.worker.context import RankInfo
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ import torch
 from zeroray.config.load import ConfigArg
 from zeroray.train.config import CheckpointConfig
 from zeroray.train.report import RankStats, Report
-from zeroray.train.run_spec import RunSpec
+from zeroray.train.run_spec import RankInfo, RunSpec
 from zeroray.train.sizing import BatchSizes
 
 if TYPE_CHECKING:
@@ -29,17 +29,6 @@ if TYPE_CHECKING:
     from zeroray.checkpoint.snapshot import SnapshotStore
     from zeroray.engine.comm import Comm
     from zeroray.engine.engine import ZeroEngine
-
-
-@dataclass(frozen=True)
-class RankInfo:
-    """Where a rank sits in the group; computed by the driver from the placement group's nodes."""
-
-    world_rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int
-    node_rank: int
 
 
 @dataclass
