@@ -47,7 +47,7 @@ from zeroray.checkpoint.manifest import (
 )
 from zeroray.checkpoint.storage import join_url, open_url, read_checked_manifest
 from zeroray.engine import Comm, ZeroEngine, layout
-from zeroray.engine.engine import GroupSource, ShardRange
+from zeroray.engine.shard_state import GroupSource, ShardRange
 
 _MAX_RUN = 64 << 20  # bytes per range read
 _INFLIGHT = 4  # range reads in flight at once

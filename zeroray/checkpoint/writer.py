@@ -60,7 +60,7 @@ from zeroray.checkpoint.manifest import (
 )
 from zeroray.checkpoint.storage import apply_retention, delete_checkpoint, open_url, parent_url
 from zeroray.engine import Comm, ZeroEngine
-from zeroray.engine.engine import ShardStateCopy
+from zeroray.engine.shard_state import ShardStateCopy
 
 _WRITE_STEP = 4 << 20  # bytes handed to f.write at a time, hashed meanwhile in another thread
 

@@ -10,10 +10,14 @@ from typing import Any
 
 _HOMES = {
     "Comm": "comm", "GroupAborted": "comm", "import_before_group": "comm",
-    "GroupShard": "engine", "ZeroEngine": "engine", "initialize": "engine",
+    "GroupShard": "shard_state", "GroupSource": "shard_state", "ShardRange": "shard_state",
+    "ShardStateCopy": "shard_state", "ZeroEngine": "engine", "initialize": "engine",
 }
 
-__all__ = ["Comm", "GroupAborted", "GroupShard", "ZeroEngine", "import_before_group", "initialize"]
+__all__ = [
+    "Comm", "GroupAborted", "GroupShard", "GroupSource", "ShardRange", "ShardStateCopy", "ZeroEngine",
+    "import_before_group", "initialize",
+]
 
 
 def __getattr__(name: str) -> Any:

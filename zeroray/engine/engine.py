@@ -7,10 +7,8 @@ A training step reads like plain PyTorch::
     engine.backward(loss)   # scales by 1/accumulation (and the fp16 loss scale), reduces grads
     engine.step()           # optimizer on this rank's shard at accumulation boundaries
 
-Set-up, in order: validate everything (no communication yet), lay parameters out in flat groups,
-start all ranks from rank 0's weights, rebuild the optimizer over the shards, install hooks. A model
-built on the meta device is initialized instead, the same on every rank, with no broadcast
-(:mod:`zeroray.engine.materialize`).
+Set-up (validation, layout, rank 0's weights, the optimizer over the shards, hooks) is
+:mod:`zeroray.engine.build`; this module is what the engine does with it.
 """
 
 from __future__ import annotations
@@ -18,106 +16,21 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import weakref
-from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from zeroray.config.load import ConfigArg, load_config
-from zeroray.engine import plan as unit_plan
-from zeroray.engine.comm import Comm, InFlight
+from zeroray.config.load import ConfigArg
+from zeroray.engine.build import HELD, build_engine
+from zeroray.engine.comm import InFlight
 from zeroray.engine.flat_group import FlatGroup
-from zeroray.engine.gather_check import GatherCheck
-from zeroray.engine.gather_pool import GatherPool
-from zeroray.engine.heap_trim import HeapTrimmer
-from zeroray.engine.layout import TensorSlot
-from zeroray.engine.loss_scaler import LossScaler
-from zeroray.engine.materialize import InitFn, MetaInit, compute_device, meta_tensor_ids
-from zeroray.engine.offload.files import SwapDir, check_nvme_path
-from zeroray.engine.offload.home import StateHome, expected_state_count
-from zeroray.engine.offload.nvme import NvmeHome
-from zeroray.engine.offload.param_files import ParamFiles
-from zeroray.engine.offload.resident import ResidentHome
-from zeroray.engine.param_guard import ParamGuard
-from zeroray.engine.phase_timer import PhaseTimer, StepTimes
-from zeroray.engine.reducer import GradReducer
-from zeroray.engine.schedule import UnitScheduler
-from zeroray.engine.sharded_optim import (
-    GradShards,
-    OptimizerArg,
-    ShardedOptimizer,
-    param_group_index,
-    refuse_direct_step,
-    template_optimizer,
-)
-from zeroray.engine.shared_grads import SharedGradSum
-from zeroray.engine.unit import Unit
-
-
-@dataclass(frozen=True)
-class GroupShard:
-    """One rank's part of one logical flat group (see :mod:`zeroray.engine.layout`)."""
-
-    name: str
-    slots: list[TensorSlot]
-    numel: int  # logical (unpadded) elements of the group
-    shard_world: int  # ranks the group is split over (1 at stage 0)
-    shard_rank: int
-    lo: int  # this rank's range of the padded group
-    hi: int
-    param_group: int | None  # optimizer param group, None = frozen
-    tensors: dict[str, torch.Tensor]
-
-
-@dataclass(frozen=True)
-class GroupSource:
-    """One rank's part of one logical flat group, read on demand (:meth:`ZeroEngine.stream_shard_state`):
-    a :class:`GroupShard` whose tensors are produced piece by piece instead of held."""
-
-    name: str
-    slots: list[TensorSlot]
-    numel: int
-    shard_world: int
-    shard_rank: int
-    lo: int
-    hi: int
-    param_group: int | None
-    keys: tuple[str, ...]  # "weight" and the elementwise optimizer states the group has now
-    in_memory: bool  # read() yields live tensors; False: swap buffers, each valid until the next is asked for
-    # read(key): the shard of ``key`` as consecutive 1-D fp32 tensors, ``hi - lo`` elements in all
-    read: Callable[[str], Iterator[torch.Tensor]] = field(repr=False)
-
-
-@dataclass(frozen=True)
-class ShardStateCopy:
-    """A copy of this rank's shard state that training may run past (:meth:`ZeroEngine.copy_shard_state`)."""
-
-    groups: list[GroupSource]
-    close: Callable[[], None]  # removes the copy
-
-
-@dataclass(frozen=True)
-class ShardRange:
-    """Elements ``[lo, hi)`` of this rank's shard of group ``group``'s ``key`` (counted from the
-    shard's start, the padded group's element ``GroupShard.lo``), to be written into ``dest``
-    (``hi - lo`` fp32 elements in host memory) by :meth:`ZeroEngine.load_shard_stream`'s ``fill``."""
-
-    group: str
-    key: str
-    lo: int
-    hi: int
-    dest: torch.Tensor
-
-
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-# Modules whose parameters a live engine has turned into views of its buffers (until close()).
-_HELD: weakref.WeakKeyDictionary[nn.Module, ZeroEngine] = weakref.WeakKeyDictionary()
+from zeroray.engine.materialize import InitFn
+from zeroray.engine.phase_timer import StepTimes
+from zeroray.engine.shard_state import GroupShard, GroupSource, ShardRange, ShardStateCopy
+from zeroray.engine.sharded_optim import GradShards, OptimizerArg
 
 
 class ZeroEngine:
@@ -135,232 +48,48 @@ class ZeroEngine:
         device: str | torch.device | None = None,
         loaded_keys: Collection[str] = (),
     ):
-        # ---- validation: everything that can be wrong fails here, before any communication
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if init_fn is not None and not callable(init_fn):
-            raise TypeError(f"init_fn must be a callable module -> None, got {type(init_fn).__name__}")
-        config = load_config(config, model=model, optimizer=optimizer)
-        if process_group is None and dist.is_available() and dist.is_initialized():
-            process_group = dist.group.WORLD
-        world = 1 if process_group is None else dist.get_world_size(process_group)
-        self.config = config = config.resolve_batch(world)
-        params = list(model.parameters())
-        if not params:
-            raise ValueError("the model has no parameters")
-        if any(m in _HELD for m in model.modules()):
-            raise RuntimeError(
-                f"this {type(model).__name__} (or a module in it) is already held by a ZeroEngine; call "
-                "engine.close() first (at stage 3 that also puts the full weights back into the parameters)"
-            )
-        self.device = compute_device(model, device, process_group)
-        meta = meta_tensor_ids(model)
-        meta_init = MetaInit(model, init_fn, loaded_keys) if meta else None
-        # The meta tensors an initializer wrote (those loaded_keys does not name).
-        self.initialized_names: list[str] = meta_init.initialized if meta_init is not None else []
-        if not meta and init_fn is not None:
-            raise ValueError(
-                "init_fn was given but no parameter or buffer of the model is on the meta device; build the "
-                "model under `with torch.device('meta'):` or leave init_fn out"
-            )
-        template = template_optimizer(model, optimizer, config, warn=process_group is None or dist.get_rank(process_group) == 0)
-        group_of = param_group_index(model, template)
-        if lr_scheduler is not None and not callable(lr_scheduler):
-            raise TypeError("lr_scheduler must be a callable optimizer -> scheduler")
-        # A bad nvme_path fails here, before any work; one path for both counts both.
-        need: dict[str, int] = {}
-        if config.offload_param.device == "nvme":
-            need[config.offload_param.nvme_path] = _param_swap_bytes(model, world, config.precision.param_dtype)
-        if config.offload_optimizer.device == "nvme":
-            path = config.offload_optimizer.nvme_path
-            need[path] = need.get(path, 0) + _swap_bytes(model, template, world, config.sub_group_size)
-        for name in ("offload_optimizer", "offload_param"):
-            block = getattr(config, name)
-            if block.device == "nvme":
-                check_nvme_path(block.nvme_path, f"{name}.nvme_path", need[block.nvme_path])
-
+        parts = build_engine(model, optimizer, config, process_group, lr_scheduler, init_fn=init_fn, device=device,
+                             loaded_keys=loaded_keys)
         self.module = model
-        self.stage = config.stage
-        self.sharding = sharding = config.sharding
-        precision = config.precision
-        self.compute_dtype = _DTYPES[precision.param_dtype]
-        self.reduce_dtype = _DTYPES[precision.reduce_dtype or precision.param_dtype]
-        self.master_dtype = _DTYPES[precision.master_dtype]
-        self.gradient_accumulation_steps = config.gradient_accumulation_steps
-        self.comm = Comm(process_group, config.comm.reduce_scatter, config.comm.all_gather_by_broadcast)
+        self.config = parts.config
+        self.device = parts.device
+        self.initialized_names = parts.initialized_names
+        self.stage = self.config.stage
+        self.sharding = self.config.sharding
+        self.compute_dtype = parts.compute_dtype
+        self.reduce_dtype = parts.reduce_dtype
+        self.master_dtype = parts.master_dtype
+        self.gradient_accumulation_steps = self.config.gradient_accumulation_steps
+        self.comm = parts.comm
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         self.global_step = 0  # optimizer steps taken (skipped fp16 steps included)
         self.micro_step = 0
         self.skipped_steps = 0
         self._backward_since_step = False  # step() without a backward is a no-op, as torch's is
         self._grad_norm: torch.Tensor | None = None  # read lazily: a float here would sync every step
-        self.loss_scaler = LossScaler(config)
-        self._phases = PhaseTimer(self.device)  # forward / backward / optimizer / comm wait, never syncs
-        offload = config.offload_optimizer
-        self.host_device = torch.device("cpu")
-        # Where the fp32 masters live: the device, host memory (CPU offload) or files (NVMe, None).
-        self._master_device: torch.device | None = {
-            "none": self.device, "cpu": self.host_device, "nvme": None
-        }[offload.device]
-        # Where a stage-3 compute shard lives between gathers: host memory under parameter offload (NVMe:
-        # only at set-up, then in a file, see ParamFiles).
-        self._shard_device = self.host_device if config.offload_param.device in ("cpu", "nvme") else self.device
-        self._param_files: ParamFiles | None = None
-
-        # ---- layout (stages 0-2: a meta model is first materialized whole, the same on every rank)
-        if meta_init is not None and not sharding.shards_params:
-            meta_init.run(self.device, sink=lambda t: True)
-        if sharding.shards_params:
-            self.units = unit_plan.find_units(model, config.units)
-            plans = unit_plan.plan_units(model, self.units, group_of)
-        else:
-            self.units = []
-            plans = unit_plan.plan_buckets(model, group_of, config.comm.reduce_bucket_size)
-        self.groups: list[FlatGroup] = []
-        self.gather_pool = GatherPool()  # stage 3: gathers reuse freed gather memory
-        # Stage 3: the ranks agree on each gather's group in the first passes (see GatherCheck).
-        self.gather_check = GatherCheck(self.comm) if sharding.shards_params else None
-        unit_groups: dict[int | None, list[FlatGroup]] = {}
-        pending: list[FlatGroup] = []  # stage 3: groups with meta parameters, installed once initialized
-        for plan in plans:
-            floating = plan.params[0][1].is_floating_point()
-            dtype = self.compute_dtype if floating else plan.params[0][1].dtype
-            g = FlatGroup(
-                plan.name,
-                plan.params,
-                self.comm,
-                sharding=sharding,
-                compute_dtype=dtype,
-                reduce_dtype=self.reduce_dtype if floating else dtype,
-                trainable=plan.param_group is not None,
-                param_group=plan.param_group,
-                device=self.device,
-                pool=self.gather_pool,
-                check=self.gather_check,
-            )
-            if g.has_meta:
-                pending.append(g)
-            else:
-                self._start(g, meta)
-            self.groups.append(g)
-            unit_groups.setdefault(plan.unit, []).append(g)
-        if meta_init is not None and sharding.shards_params:
-            # One module at a time, straight into the shards; buffers are kept whole.
-            owner = {id(p): g for g in pending for p in g.params}
-
-            def sink(t: torch.Tensor) -> bool:
-                g = owner.get(id(t))
-                if g is None:
-                    return True
-                g.write(t)
-                return False
-
-            meta_init.run(self.device, sink)
-            for g in pending:
-                self._start(g, meta)
-        # Buffers keep their dtype (a rotary inv_freq stays fp32), as FSDP2's and DeepSpeed's do, unless
-        # the precision policy names one for them (DeepSpeed's data_types.buffer_dtype).
-        buffer_dtype = _DTYPES[precision.buffer_dtype] if precision.buffer_dtype else None
-        with torch.no_grad():
-            for b in model.buffers():
-                if buffer_dtype is not None and b.is_floating_point():
-                    b.data = b.data.to(buffer_dtype)
-                if id(b) not in meta:  # a meta-built buffer is the same on every rank already
-                    self.comm.broadcast(b, src=0)
-
-        # ---- optimizer over the shards
-        home = self._state_home(template)
-        try:
-            self.optim = ShardedOptimizer(template, self.groups, config.sub_group_size, home)
-        except BaseException:
-            home.close()  # e.g. a full disk while writing the swap files: nothing is left behind
-            raise
+        self.loss_scaler = parts.loss_scaler
+        self._phases = parts.phases
+        self.host_device = parts.host_device
+        self._shard_device = parts.shard_device
+        self.units = parts.units
+        self.groups = parts.groups
+        self.gather_pool = parts.gather_pool
+        self.gather_check = parts.gather_check
+        self.optim = parts.optim
         self.optimizer = self.optim.optimizer
-        if config.offload_param.device == "nvme":
-            self._park_params()
-        self._template_hook = refuse_direct_step(template)  # the user's optimizer would step nothing
-        if lr_scheduler is not None:
-            self.lr_scheduler = lr_scheduler(self.optimizer)
-        elif config.scheduler is not None:
-            from zeroray.engine.named_optim import build_scheduler
-
-            self.lr_scheduler = build_scheduler(config.scheduler, self.optimizer)
-        else:
-            self.lr_scheduler = None
-
-        # ---- hooks
-        self.scheduler: UnitScheduler | None = None
-        self._guard: ParamGuard | None = None
-        units: list[Unit] = []
-        if sharding.shards_params:
-            root = Unit("root", model, unit_groups.get(None, []), root=True)
-            units = [Unit(name, m, unit_groups.get(i, [])) for i, (name, m) in enumerate(self.units)]
-            read_ahead = self._param_files.read_ahead if self._param_files is not None else None
-            self.scheduler = UnitScheduler(model, root, units, config.comm.prefetch_bucket_size, read_ahead)
-            units = [root, *units]
-            self._guard = ParamGuard(model, self.groups, {g: u.name for u in units for g in u.groups})
-        # Stage 3 with trim_host_heap: the C heap's free pages go back to the OS after each unit's
-        # backward (a no-op where the C library is not glibc).
-        self.heap_trimmer = HeapTrimmer() if config.trim_host_heap and sharding.shards_params else None
-        self.reducer = GradReducer(
-            self.groups,
-            reduce_every_micro_step=sharding.shards_grads,
-            overlap=config.comm.overlap_comm,
-            max_inflight=config.comm.reduce_bucket_size,
-            units=units,
-            on_final=home.grad_ready if home.early_grads else None,
-            trimmer=self.heap_trimmer,
-        )
-        # Tied parameters (reached under several names): their gradients are summed in place.
-        uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
-        self.shared_grads = SharedGradSum(p for p in model.parameters() if p.requires_grad and uses[id(p)] > 1)
-        # Parameters frozen at set-up have no gradient buffer or optimizer state: unfreezing one later is an error.
-        self._frozen = [(n, p) for g in self.groups if not g.trainable for n, p in zip(g.param_names, g.params)]
-        # Optimizer steps each trainable parameter took (it is skipped at a step where no rank gave it a
-        # gradient), the same on every rank: a checkpoint keeps the counts that differ within a param group.
-        self._param_steps: dict[FlatGroup, list[int]] = {g: [0] * len(g.params) for g in self.groups if g.trainable}
-        self._setup_comm = self.comm.report()
-        self.comm.reset()  # the report counts training traffic, not set-up
+        self._param_files = parts.param_files
+        self._template_hook = parts.template_hook
+        self.lr_scheduler = parts.lr_scheduler
+        self.scheduler = parts.scheduler
+        self._guard = parts.guard
+        self.heap_trimmer = parts.heap_trimmer
+        self.reducer = parts.reducer
+        self.shared_grads = parts.shared_grads
+        self._frozen = parts.frozen
+        self._param_steps = parts.param_steps
+        self._setup_comm = parts.setup_comm
         for m in model.modules():
-            _HELD[m] = self
-
-    def _start(self, g: FlatGroup, meta: set[int]) -> None:
-        """Collective: a group's values agree across ranks (rank 0's, unless every parameter in it
-        was meta-built: those are the same everywhere), then it installs its shards and buffers."""
-        if any(id(p) not in meta for p in g.params):
-            g.sync_from_rank0()
-        floating = g.compute_dtype.is_floating_point
-        g.install(
-            master_dtype=self.master_dtype if floating else g.compute_dtype,
-            master_device=self._master_device or self.host_device,
-            shard_device=self._shard_device,
-            keep_master=self._master_device is not None,
-            own_master=self.config.offload_param.device == "nvme",
-            pin_memory=self.config.offload_optimizer.pin_memory or self.config.offload_param.pin_memory,
-        )
-
-    def _park_params(self) -> None:
-        """offload_param "nvme": write every compute shard to its file and drop it from memory."""
-        par, io = self.config.offload_param, self.config.offload_io
-        files = ParamFiles(SwapDir(par.nvme_path, self.rank, io.queue_depth, io.direct_io, io.block_size), par.buffer_count)
-        try:
-            files.attach(self.groups)
-        except BaseException:
-            files.close()
-            self.optim.close()
-            raise
-        for g in self.groups:
-            g.park(files)
-        self._param_files = files
-
-    def _state_home(self, template: torch.optim.Optimizer) -> StateHome:
-        """Where the optimizer's masters and states live (the one place that decides)."""
-        offload = self.config.offload_optimizer
-        if offload.device != "nvme":
-            return ResidentHome(self.device, self._master_device, offload.pin_memory)
-        io = self.config.offload_io
-        swap = SwapDir(offload.nvme_path, self.rank, io.queue_depth, io.direct_io, io.block_size)
-        return NvmeHome(swap, offload.buffer_count, self.host_device, expected_state_count(template))
+            HELD[m] = self
 
     # ------------------------------------------------------------------ training
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -447,7 +176,7 @@ class ZeroEngine:
             for g, counts in self._param_steps.items():
                 for i in range(len(counts)):
                     counts[i] += 1 if used is None else used[g][i]
-            self._publish(trainable, masters_copied=self.optim.home.publishes_shards)
+            self._publish(trainable, masters_copied=self.optim.publishes_shards)
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         for g in trainable:
@@ -782,7 +511,7 @@ class ZeroEngine:
                 with torch.no_grad():
                     for g in groups:
                         self.comm.broadcast(g.full, src=modifier_rank)
-                        self.optim.home.settle()  # no copy of the masters to the device is in flight
+                        self.optim.settle()  # no copy of the masters to the device is in flight
                         g.adopt_full()
                         if g.trainable and g.master is None:  # the master is in a swap file
                             self.optim.adopt(g, g.full[g.lo : g.hi])
@@ -829,25 +558,8 @@ class ZeroEngine:
             if self._param_files is not None:
                 self._param_files.close()
         for m in self.module.modules():
-            if _HELD.get(m) is self:
-                del _HELD[m]
-
-
-def _param_swap_bytes(model: nn.Module, world: int, param_dtype: str) -> int:
-    """An upper bound of this rank's parameter swap bytes (offload_param "nvme"): its share of every
-    parameter in the compute dtype, with the 4 KiB padding of every group."""
-    params = list({id(p): p for p in model.parameters()}.values())
-    mine = -(-sum(p.numel() for p in params) // world) + world
-    return _DTYPES[param_dtype].itemsize * mine + 4096 * len(params)
-
-
-def _swap_bytes(model: nn.Module, template: torch.optim.Optimizer, world: int, sub_group_size: int) -> int:
-    """An upper bound of this rank's NVMe swap bytes: its fp32 share of the trainable parameters
-    times (master + the optimizer's states), with the 4 KiB padding of every sub-group."""
-    numel = sum(p.numel() for p in {id(p): p for p in model.parameters() if p.requires_grad}.values())
-    mine = -(-numel // world) + world  # padding
-    subs = -(-mine // sub_group_size) + len(list(model.parameters()))
-    return (1 + expected_state_count(template)) * (4 * mine + 4096 * subs)
+            if HELD.get(m) is self:
+                del HELD[m]
 
 
 def initialize(

@@ -30,14 +30,13 @@ from torch.utils.hooks import RemovableHandle
 
 from zeroray.config import ZeroConfig
 from zeroray.engine.flat_group import FlatGroup
+from zeroray.engine.offload.home import zeros_like_state
 from zeroray.engine.sub_groups import ParamSlice, SubGroup, plan_sub_groups
 
 if TYPE_CHECKING:
-    from zeroray.engine.offload.home import StateHome
+    from zeroray.engine.offload.home import Fill, StateHome
 
 OptimizerArg = torch.optim.Optimizer | Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None
-# Writes into each ``dest`` the values ``[lo, hi)`` of a flat group's shard of ``key`` (see ShardedOptimizer.load_stream).
-ShardFill = Callable[[list[tuple[FlatGroup, str, int, int, torch.Tensor]]], None]
 
 
 def template_optimizer(model: nn.Module, optimizer: OptimizerArg, config: ZeroConfig, *, warn: bool = True
@@ -79,7 +78,7 @@ def template_optimizer(model: nn.Module, optimizer: OptimizerArg, config: ZeroCo
             f"zeroray: the config's 'optimizer' block ({config.optimizer.get('type')!r}) is ignored: "
             f"zeroray.initialize was given an optimizer ({type(opt).__name__}), and that one is used",
             UserWarning,
-            stacklevel=4,  # the caller of zeroray.initialize
+            stacklevel=5,  # the caller of zeroray.initialize (through ZeroEngine and build_engine)
         )
     return opt
 
@@ -119,13 +118,6 @@ def _constructor_kwargs(cls: type, defaults: dict) -> dict:
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return dict(defaults)
     return {k: v for k, v in defaults.items() if k in params}
-
-
-
-def _zeros_like_state(per_piece: Sequence[Mapping[str, torch.Tensor]], key: str, numel: int) -> torch.Tensor:
-    """A never-stepped piece's ``key``: zeros where the group's other pieces keep theirs."""
-    like = next(st[key] for st in per_piece if key in st)
-    return torch.zeros(numel, dtype=like.dtype, device=like.device)
 
 
 def _mul(t: torch.Tensor, factor: float | torch.Tensor) -> None:
@@ -238,11 +230,21 @@ class ShardedOptimizer:
                 piece.param.grad = None
             self.home.publish(sub)
 
+    @property
+    def publishes_shards(self) -> bool:
+        """:meth:`step` wrote the updated masters into the compute shards already (the engine need
+        not cast them)."""
+        return self.home.publishes_shards
+
+    def settle(self) -> None:
+        """Wait for copies in flight that read the masters, before anyone writes them."""
+        self.home.settle()
+
     # ------------------------------------------------------------------ state
     @property
     def in_memory(self) -> bool:
-        """Masters and states are tensors in memory (False: in swap files, read through the home's
-        bounded buffers by :meth:`read` and written by :meth:`load_stream`)."""
+        """:meth:`read` yields live tensors (False: swap buffers, each valid until the next is
+        asked for); what a checkpoint writer needs to know to hold on to them."""
         return self.home.in_memory
 
     def master(self, g: FlatGroup) -> torch.Tensor:
@@ -260,7 +262,7 @@ class ShardedOptimizer:
         keys = self.state_keys(g)
         if len(pieces) == 1:
             return dict(per_piece[0])
-        return {k: torch.cat([st.get(k, _zeros_like_state(per_piece, k, p.numel)) for p, st in zip(pieces, per_piece)])
+        return {k: torch.cat([st.get(k, zeros_like_state(per_piece, k, p.numel)) for p, st in zip(pieces, per_piece)])
                 for k in keys}
 
     def state_keys(self, g: FlatGroup) -> list[str]:
@@ -270,15 +272,10 @@ class ShardedOptimizer:
 
     def read(self, g: FlatGroup, key: str) -> Iterator[torch.Tensor]:
         """``g``'s shard of ``key`` ("weight": the fp32 master, or a state of :meth:`state_keys`) as
-        consecutive 1-D fp32 tensors, each valid until the next is asked for: the live tensors where
-        they are in memory (no copy), else bounded reads of the swap files."""
-        if key == "weight" and (self.home.in_memory or not g.trainable):
+        consecutive 1-D fp32 tensors, each valid until the next is asked for (see :meth:`StateHome.stream`;
+        a frozen group's "weight": its shard cast, one tensor)."""
+        if key == "weight" and not g.trainable:
             yield self.master(g)
-        elif self.home.in_memory:
-            pieces = self.pieces_of[g]
-            per_piece = [self.home.states(p, self.optimizer) for p in pieces]
-            for piece, st in zip(pieces, per_piece):
-                yield st[key] if key in st else _zeros_like_state(per_piece, key, piece.numel)
         else:
             yield from self.home.stream(self.pieces_of[g], key, self.optimizer)
 
@@ -322,43 +319,17 @@ class ShardedOptimizer:
              param_scalars: Mapping[str, dict[str, float] | None] | None = None) -> None:
         """Install every trainable group's master (``"weight"``: fp32 values of its shard) and
         optimizer states (none: fresh); ``scalars`` per param group, ``param_scalars`` by parameter
-        name where they differ (None: never stepped, fresh). In memory the state tensors are taken
-        over where they fit; swap files are each written once."""
-        if not self.home.in_memory:
-            def take(parts: list[tuple[FlatGroup, str, int, int, torch.Tensor]]) -> None:
-                for g, k, lo, hi, dest in parts:
-                    dest.copy_(tensors[g][k].reshape(-1)[lo:hi])
+        name where they differ (None: never stepped, fresh). See :meth:`StateHome.load`."""
+        self.home.load(self.sub_groups, {g: tensors[g] for g in self.groups}, self._load_scalars(scalars, param_scalars or {}),
+                       self.optimizer)
 
-            return self.load_stream({g: list(tensors[g]) for g in self.groups}, take, scalars, param_scalars)
-        scalars_of = self._load_scalars(scalars, param_scalars or {})
-        for g in self.groups:
-            weight = tensors[g]["weight"].reshape(-1)
-            states = {k: v.reshape(-1) for k, v in tensors[g].items() if k != "weight"}
-            for piece in self.pieces_of[g]:
-                found = scalars_of(piece)
-                part = {k: v[piece.lo : piece.hi] for k, v in states.items()} if found is not None else {}
-                self.home.load(piece, weight[piece.lo : piece.hi], part, found or {}, self.optimizer)
-            if g.master is None:  # kept elsewhere: the compute shard takes the values now
-                g.write_shard(0, g.shard_numel, weight)
-
-    def load_stream(self, keys: Mapping[FlatGroup, Sequence[str]], fill: ShardFill, scalars: Sequence[dict[str, float]],
+    def load_stream(self, keys: Mapping[FlatGroup, Sequence[str]], fill: Fill, scalars: Sequence[dict[str, float]],
                     param_scalars: Mapping[str, dict[str, float] | None] | None = None) -> None:
         """As :meth:`load`, with the values written by ``fill(parts)`` into ``(group, key, lo, hi,
         dest)`` destinations (``[lo, hi)`` of the group's shard; ``keys[g]``: "weight" and the
-        states to load). In memory: one call for everything, then :meth:`load`; in swap files: one
-        call per sub-group, into the home's buffers, so host memory stays bounded."""
-        if self.home.in_memory:
-            tensors = {g: {k: torch.empty(g.shard_numel, dtype=torch.float32) for k in keys[g]} for g in self.groups}
-            fill([(g, k, 0, g.shard_numel, t) for g in self.groups for k, t in tensors[g].items()])
-            return self.load(tensors, scalars, param_scalars)
-        scalars_of = self._load_scalars(scalars, param_scalars or {})
-        self.home.load_stream(
-            self.sub_groups,
-            lambda piece: keys[piece.group] if scalars_of(piece) is not None else ["weight"],
-            lambda parts: fill([(p.group, k, lo, hi, dest) for p, k, lo, hi, dest in parts]),
-            lambda piece: scalars_of(piece) or {},
-            self.optimizer,
-        )
+        states to load). See :meth:`StateHome.load_stream`."""
+        self.home.load_stream(self.sub_groups, {g: keys[g] for g in self.groups}, fill,
+                              self._load_scalars(scalars, param_scalars or {}), self.optimizer)
 
     def set_master(self, g: FlatGroup, values: torch.Tensor) -> None:
         """Overwrite ``g``'s master with ``values`` (its optimizer states stay)."""

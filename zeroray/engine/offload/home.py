@@ -7,12 +7,13 @@
 
 :class:`~zeroray.engine.sharded_optim.ShardedOptimizer` drives a home through :class:`StateHome` and
 never knows which one it has: stepping (:meth:`StateHome.cycle`), reading (:meth:`StateHome.stream`)
-and loading (:meth:`StateHome.load_stream`) go through the same methods whichever it is.
+and loading (:meth:`StateHome.load`, :meth:`StateHome.load_stream`) go through the same methods
+whichever it is; each home moves the values its own way (live tensors, or bounded swap buffers).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Protocol
 
 import torch
@@ -20,9 +21,10 @@ import torch
 from zeroray.engine.flat_group import FlatGroup
 from zeroray.engine.sub_groups import ParamSlice, SubGroup
 
-# ``fill(parts)``: write into each ``dest`` the values ``[lo, hi)`` of ``piece``'s ``key``, where lo/hi
-# count elements of the piece's group shard (the piece covers ``[piece.lo, piece.hi)`` of it).
-Fill = Callable[[list[tuple[ParamSlice, str, int, int, torch.Tensor]]], None]
+# ``fill(parts)``: write into each ``dest`` the values ``[lo, hi)`` of flat group ``group``'s shard of ``key``.
+Fill = Callable[[list[tuple[FlatGroup, str, int, int, torch.Tensor]]], None]
+# A piece's scalar optimizer states to load (Adam's ``step``); None: it starts fresh (never stepped).
+PieceScalars = Callable[[ParamSlice], dict[str, float] | None]
 
 
 def elementwise_states(state: dict, numel: int) -> dict[str, torch.Tensor]:
@@ -33,6 +35,12 @@ def elementwise_states(state: dict, numel: int) -> dict[str, torch.Tensor]:
 def scalar_state(scalars: dict[str, float]) -> dict[str, torch.Tensor]:
     """Scalar optimizer states (Adam's ``step``) as the torch optimizer keeps them."""
     return {k: torch.tensor(v, dtype=torch.float32) for k, v in scalars.items()}
+
+
+def zeros_like_state(per_piece: Sequence[Mapping[str, torch.Tensor]], key: str, numel: int) -> torch.Tensor:
+    """A never-stepped piece's ``key``: zeros where the group's other pieces keep theirs."""
+    like = next(st[key] for st in per_piece if key in st)
+    return torch.zeros(numel, dtype=like.dtype, device=like.device)
 
 
 class HomeCopy(Protocol):
@@ -84,12 +92,8 @@ class StateHome:
     def states(self, piece: ParamSlice, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
-    def load(self, piece: ParamSlice, weight: torch.Tensor, states: dict[str, torch.Tensor], scalars: dict[str, float],
-             optimizer: torch.optim.Optimizer) -> None:
-        raise NotImplementedError
-
-    # Homes that keep masters and states out of memory (``in_memory`` False) move them through their
-    # own bounded buffers instead of whole tensors: ``state_keys``/``stream`` to read, ``load_stream`` to write.
+    # What :meth:`stream` yields: live tensors, no copy (False: the home's bounded swap buffers, each
+    # valid until the next is asked for). Only a reader that keeps them needs to know.
     in_memory = True
 
     def state_keys(self, piece: ParamSlice, optimizer: torch.optim.Optimizer) -> list[str]:
@@ -97,14 +101,22 @@ class StateHome:
         return sorted(self.states(piece, optimizer))
 
     def stream(self, pieces: Sequence[ParamSlice], key: str, optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
-        """``pieces``' values of ``key`` ("weight": the master) in order, as consecutive 1-D fp32
-        tensors; each is valid until the next one is asked for."""
+        """The values of ``key`` ("weight": the master) of ``pieces`` (one flat group's, in order) as
+        consecutive 1-D fp32 tensors; each is valid until the next one is asked for (a never-stepped
+        piece's states: zeros)."""
         raise NotImplementedError
 
-    def load_stream(self, subs: Sequence[SubGroup], keys: Callable[[ParamSlice], Sequence[str]], fill: Fill,
-                    scalars: Callable[[ParamSlice], dict[str, float]], optimizer: torch.optim.Optimizer) -> None:
-        """Install every piece's ``keys(piece)`` ("weight" and the states it was saved with, or
-        "weight" alone: fresh states) from values ``fill`` writes into the home's buffers."""
+    def load(self, subs: Sequence[SubGroup], tensors: Mapping[FlatGroup, Mapping[str, torch.Tensor]],
+             scalars: PieceScalars, optimizer: torch.optim.Optimizer) -> None:
+        """Install each group's whole-shard ``tensors`` ("weight" and the states it was saved with, or
+        "weight" alone: fresh states; a piece whose ``scalars`` are None starts fresh too). A home
+        that keeps no ``FlatGroup.master`` (swap files) writes the compute shards here."""
+        raise NotImplementedError
+
+    def load_stream(self, subs: Sequence[SubGroup], keys: Mapping[FlatGroup, Sequence[str]], fill: Fill,
+                    scalars: PieceScalars, optimizer: torch.optim.Optimizer) -> None:
+        """As :meth:`load`, with each group's ``keys[group]`` written by ``fill`` into destinations of
+        the home's choosing."""
         raise NotImplementedError
 
     def copy(self) -> HomeCopy | None:

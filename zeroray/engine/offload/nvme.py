@@ -10,7 +10,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 
 import torch
@@ -25,7 +25,7 @@ from zeroray.engine.offload.files import (
     settle_all,
     wait_all,
 )
-from zeroray.engine.offload.home import Fill, StateHome, elementwise_states, scalar_state
+from zeroray.engine.offload.home import Fill, PieceScalars, StateHome, elementwise_states, scalar_state
 from zeroray.engine.sub_groups import ParamSlice, SubGroup
 
 _F32 = 4
@@ -38,7 +38,8 @@ class NvmeHome(StateHome):
 
     Between steps the pool's buffers are idle, and checkpoints move the state through them:
     :meth:`stream` reads a flat group's segment out of the files piece by piece (a save),
-    :meth:`load_stream` fills one sub-group's buffer and writes its file once (a load), and
+    :meth:`load_stream` fills one sub-group's buffer and writes its file once (a load; :meth:`load`
+    fills it from whole tensors), and
     :meth:`copy` copies the files on their disk for a save that training runs past."""
 
     in_memory = False
@@ -286,11 +287,22 @@ class NvmeHome(StateHome):
             for futures in inflight.values():
                 settle_all(futures)
 
-    def load_stream(self, subs: Sequence[SubGroup], keys: Callable[[ParamSlice], Sequence[str]], fill: Fill,
-                    scalars: Callable[[ParamSlice], dict[str, float]], optimizer: torch.optim.Optimizer) -> None:
+    def load(self, subs: Sequence[SubGroup], tensors: Mapping[FlatGroup, Mapping[str, torch.Tensor]],
+             scalars: PieceScalars, optimizer: torch.optim.Optimizer) -> None:
+        """As :meth:`load_stream`, copying from the tensors: each file is still written once."""
+        def take(parts: list[tuple[FlatGroup, str, int, int, torch.Tensor]]) -> None:
+            for g, k, lo, hi, dest in parts:
+                dest.copy_(tensors[g][k].reshape(-1)[lo:hi])
+
+        self.load_stream(subs, {g: list(t) for g, t in tensors.items()}, take, scalars, optimizer)
+
+    def load_stream(self, subs: Sequence[SubGroup], keys: Mapping[FlatGroup, Sequence[str]], fill: Fill,
+                    scalars: PieceScalars, optimizer: torch.optim.Optimizer) -> None:
         """Each sub-group's file written once: its pieces' values filled into a pool buffer, the
-        masters copied into the compute shards, the buffer written while the next one fills."""
-        wanted = {id(p.param): sorted(k for k in keys(p) if k != "weight") for sub in subs for p in sub.pieces}
+        masters copied into the compute shards, the buffer written while the next one fills (one
+        ``fill`` per sub-group: host memory stays bounded by the pool)."""
+        wanted = {id(p.param): sorted(k for k in keys[p.group] if k != "weight") if scalars(p) is not None else []
+                  for sub in subs for p in sub.pieces}
         found = next((w for w in wanted.values() if w), None)
         for w in wanted.values():  # checked before anything is written
             if w and w != (self.keys or found):
@@ -309,13 +321,13 @@ class NvmeHome(StateHome):
                 _, off = self._offsets[id(piece.param)]
                 for k in ["weight", *wanted[id(piece.param)]]:
                     dest = self._segment(buf, i, self._segment_index(k))[off : off + piece.numel]
-                    parts.append((piece, k, piece.lo, piece.hi, dest))
+                    parts.append((piece.group, k, piece.lo, piece.hi, dest))
             fill(parts)
             for piece in sub.pieces:
                 _, off = self._offsets[id(piece.param)]
                 piece.group.write_shard(piece.lo, piece.hi, self._segment(buf, i, 0)[off : off + piece.numel])
                 if wanted[id(piece.param)]:
-                    optimizer.state[piece.param] = scalar_state(scalars(piece))
+                    optimizer.state[piece.param] = scalar_state(scalars(piece) or {})
                 else:
                     optimizer.state.pop(piece.param, None)
                     for s in range(1, 1 + len(self.keys or ())):  # fresh: zeros, as states() reads them

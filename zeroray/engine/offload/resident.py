@@ -1,17 +1,25 @@
 """Masters and states in memory: on the compute device (no offload) or in host memory
 (``offload_optimizer.device="cpu"``). The torch optimizer's parameters are views of each flat group's
 master; its states are its own tensors. On a CPU-only machine host memory *is* the device, so CPU
-offload is this same path with no copy at all."""
+offload is this same path with no copy at all. Checkpoints read and load the live tensors themselves:
+no copy out, and a load's state tensors are taken over where they fit."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
 from zeroray.engine.flat_group import FlatGroup
-from zeroray.engine.offload.home import StateHome, elementwise_states, scalar_state
+from zeroray.engine.offload.home import (
+    Fill,
+    PieceScalars,
+    StateHome,
+    elementwise_states,
+    scalar_state,
+    zeros_like_state,
+)
 from zeroray.engine.sub_groups import ParamSlice, SubGroup
 
 
@@ -119,16 +127,41 @@ class ResidentHome(StateHome):
     def states(self, piece: ParamSlice, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
         return {k: v.reshape(-1) for k, v in elementwise_states(optimizer.state.get(piece.param, {}), piece.numel).items()}
 
-    def load(self, piece: ParamSlice, weight: torch.Tensor, states: dict[str, torch.Tensor], scalars: dict[str, float],
-             optimizer: torch.optim.Optimizer) -> None:
+    def stream(self, pieces: Sequence[ParamSlice], key: str, optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+        """The live tensors, no copy: "weight", the master (whole where ``pieces`` cover the shard); a
+        state, piece by piece."""
+        if key == "weight":
+            yield self.param_data(pieces[0].group, pieces[0].lo, pieces[-1].hi)
+            return
+        per_piece = [self.states(p, optimizer) for p in pieces]
+        for piece, st in zip(pieces, per_piece):
+            yield st[key] if key in st else zeros_like_state(per_piece, key, piece.numel)
+
+    def load(self, subs: Sequence[SubGroup], tensors: Mapping[FlatGroup, Mapping[str, torch.Tensor]],
+             scalars: PieceScalars, optimizer: torch.optim.Optimizer) -> None:
+        """The masters are copied into; the state tensors are taken over (views, no copy, where device
+        and dtype fit): the engine's publish casts the masters into the compute shards."""
         self.settle()
-        piece.param.data.copy_(weight.reshape(-1))
-        if states:
-            state: dict = {k: v.reshape(-1).to(device=self.master_device, dtype=piece.param.dtype) for k, v in states.items()}
-            state.update(scalar_state(scalars))
-            optimizer.state[piece.param] = state
-        else:
-            optimizer.state.pop(piece.param, None)
+        flat = {g: {k: v.reshape(-1) for k, v in t.items()} for g, t in tensors.items()}
+        for sub in subs:
+            for piece in sub.pieces:
+                values, found = flat[piece.group], scalars(piece)
+                piece.param.data.copy_(values["weight"][piece.lo : piece.hi])
+                states = {k: v[piece.lo : piece.hi] for k, v in values.items() if k != "weight"}
+                if found is not None and states:
+                    state: dict = {k: v.to(device=self.master_device, dtype=piece.param.dtype) for k, v in states.items()}
+                    state.update(scalar_state(found))
+                    optimizer.state[piece.param] = state
+                else:
+                    optimizer.state.pop(piece.param, None)
+
+    def load_stream(self, subs: Sequence[SubGroup], keys: Mapping[FlatGroup, Sequence[str]], fill: Fill,
+                    scalars: PieceScalars, optimizer: torch.optim.Optimizer) -> None:
+        """One ``fill`` for everything, into fresh whole-shard tensors, before anything changes (a
+        failed read leaves the state as it was); then :meth:`load` takes them over."""
+        tensors = {g: {k: torch.empty(g.shard_numel, dtype=torch.float32) for k in ks} for g, ks in keys.items()}
+        fill([(g, k, 0, g.shard_numel, t) for g, ts in tensors.items() for k, t in ts.items()])
+        self.load(subs, tensors, scalars, optimizer)
 
     def set_master(self, piece: ParamSlice, values: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
         self.settle()
