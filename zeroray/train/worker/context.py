@@ -27,8 +27,8 @@ if TYPE_CHECKING:
 
     from zeroray.checkpoint import AsyncSaver
     from zeroray.checkpoint.snapshot import SnapshotStore
+    from zeroray.engine import ZeroEngine
     from zeroray.engine.comm import Comm
-    from zeroray.engine.engine import ZeroEngine
 
 
 @dataclass
