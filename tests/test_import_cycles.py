@@ -159,3 +159,21 @@ def test_the_layer_check_finds_a_driver_import_in_the_loop_and_a_loop_import_in_
     problems = layer_problems(graph)
     assert f"{_LOOP}.reporting -> {_DRIVER}.progress" in problems
     assert f"{_DRIVER}.controller -> {_LOOP}.recovery" in problems  # through the group
+
+
+_ENGINE_API = {"zeroray.engine", "zeroray.engine.layout", "zeroray.engine.shard_state", "zeroray.engine.comm"}
+
+
+def test_the_layers_above_the_engine_use_only_its_exported_modules() -> None:
+    """checkpoint/, train/ and the rest reach the engine through ``zeroray.engine``'s names, its partition
+    arithmetic (``layout``), the checkpoint protocol's types (``shard_state``) and ``Comm``: never its
+    internals, lazy imports included."""
+    found = []
+    for name, path in _modules().items():
+        if name.startswith("zeroray.engine"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            found += [f"{name} -> {t}" for t in targets if t.startswith("zeroray.engine") and t not in _ENGINE_API]
+    assert found == []
