@@ -44,7 +44,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 import zeroray  # noqa: E402
-from tests.dist_harness import free_port  # noqa: E402
+from tests.support.dist import free_port  # noqa: E402
 
 MiB = 2**20
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -26,7 +27,7 @@ def ray_cluster() -> Iterator[dict[str, str]]:
     """One real local Ray cluster for the whole session (4 logical CPUs, dashboard on for the state API).
 
     Its workers get the repo root on PYTHONPATH so they import zeroray and the test modules (package
-    ``tests``) whose loop functions they run. Yields {"address": GCS address, "metrics_url": the node's Prometheus endpoint}.
+    ``tests``, with tests.support) whose loop functions they run. Yields {"address": GCS address, "metrics_url": the node's Prometheus endpoint}.
     """
     import ray
 
@@ -48,3 +49,14 @@ def ray_cluster() -> Iterator[dict[str, str]]:
         }
     finally:
         ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def s3() -> Iterator[dict[str, Any]]:
+    """A real S3 endpoint on loopback for the session (tests.support.s3.moto_bucket), one bucket that each
+    test uses under a prefix of its own. Yields {"bucket": the bucket's URL, "options": fsspec storage
+    options for it}."""
+    from tests.support.s3 import moto_bucket
+
+    with moto_bucket() as bucket:
+        yield bucket

@@ -20,9 +20,10 @@ import torch
 from safetensors.torch import load_file
 
 import zeroray.checkpoint as zc
-from tests.checkpoint_helpers import STEPS, assemble, assert_same, make_engine, snapshot, train
-from tests.dist_harness import run_ranks
-from tests.models import batches
+from tests.support.checkpoint import assemble, assert_same, make_engine, snapshot
+from tests.support.dist import run_ranks
+from tests.support.models import batches
+from tests.support.recipe import OPT_STEPS, train
 
 # (source world, source stage) -> (destination world, destination stage). A save loaded by the
 # world that wrote it is a round trip; world 1 loads in this process.
@@ -57,21 +58,21 @@ def _save_worker(rank: int, world: int, base: str, stages: list[int], loads: lis
         engine = make_engine(stage)
         saver = zc.AsyncSaver(engine) if stage % 2 == 1 else None
         save = saver.save if saver else functools.partial(zc.save, engine)
-        data = batches(rank, STEPS + 1)
-        train(engine, data[:STEPS])
+        data = batches(rank, OPT_STEPS + 1)
+        train(engine, data[:OPT_STEPS])
         before = snapshot(engine)
-        save(zc.checkpoint_url(run, STEPS))
-        loss = train(engine, data[STEPS:])  # overlaps the async upload
-        save(zc.checkpoint_url(run, STEPS + 1))  # waits for the previous one
+        save(zc.checkpoint_url(run, OPT_STEPS))
+        loss = train(engine, data[OPT_STEPS:])[-1]  # overlaps the async upload
+        save(zc.checkpoint_url(run, OPT_STEPS + 1))  # waits for the previous one
         if saver:
             saver.wait()
         after = snapshot(engine)
         engine.close()
 
         fresh = make_engine(stage, seed=1)
-        zc.load(fresh, zc.checkpoint_url(run, STEPS))
+        zc.load(fresh, zc.checkpoint_url(run, OPT_STEPS))
         loaded = snapshot(fresh)
-        loaded_loss = train(fresh, data[STEPS:])
+        loaded_loss = train(fresh, data[OPT_STEPS:])[-1]
         out[stage] = {
             "before": before,
             "after": after,
@@ -88,7 +89,7 @@ def _save_worker(rank: int, world: int, base: str, stages: list[int], loads: lis
     return out
 
 
-def _ckpt(base: Path, world: int, stage: int, step: int = STEPS) -> str:
+def _ckpt(base: Path, world: int, stage: int, step: int = OPT_STEPS) -> str:
     return zc.checkpoint_url(f"{base}/w{world}s{stage}", step)
 
 
@@ -123,7 +124,7 @@ def expected(results: list[dict], stage: int, when: str = "before") -> dict[str,
 def test_round_trip_every_stage(w2: list[dict]) -> None:
     for stage in range(4):
         want = expected(w2, stage)
-        assert want["meta"]["global_step"] == STEPS and want["opt"], stage
+        assert want["meta"]["global_step"] == OPT_STEPS and want["opt"], stage
         assert_same(assemble([r[stage]["loaded"] for r in w2]), want, f"stage {stage} loaded")
         # The loaded engine takes the next step exactly as the saved one did.
         for r in w2:
@@ -154,12 +155,12 @@ def test_resharding_matrix(
 def test_async_saves_in_a_row_and_listing(base: Path, w2: list[dict]) -> None:
     """The second async save waited for the first; both hold what was there when they were called."""
     engine = make_engine(1, seed=4)
-    zc.load(engine, _ckpt(base, 2, 1, STEPS + 1))
+    zc.load(engine, _ckpt(base, 2, 1, OPT_STEPS + 1))
     assert_same(assemble([snapshot(engine)]), expected(w2, 1, "after"), "second async save")
     engine.close()
     infos = zc.list_checkpoints(f"{base}/w2s1")
     assert [(i.step, i.committed, i.world_size, i.stage) for i in infos] == [(3, True, 2, 1), (4, True, 2, 1)]
-    assert zc.latest_committed(f"{base}/w2s1") == _ckpt(base, 2, 1, STEPS + 1)
+    assert zc.latest_committed(f"{base}/w2s1") == _ckpt(base, 2, 1, OPT_STEPS + 1)
     assert not any(n.endswith(".part.json") for n in os.listdir(_ckpt(base, 2, 1)))
 
 

@@ -17,10 +17,10 @@ import pytest
 import torch.distributed as dist
 
 import zeroray.checkpoint as zc
-from tests.checkpoint_helpers import assemble, assert_same, make_engine, snapshot, train
-from tests.dist_harness import run_ranks
-from tests.fixtures_s3 import s3  # noqa: F401
-from tests.models import batches
+from tests.support.checkpoint import assemble, assert_same, make_engine, snapshot
+from tests.support.dist import run_ranks
+from tests.support.models import batches
+from tests.support.recipe import train
 from zeroray.checkpoint.manifest import MANIFEST
 
 GROUP_TIMEOUT_S = 40  # the engines' group: a rank left waiting in a collective fails after this, not 30 min
@@ -127,7 +127,7 @@ def _load_unreachable(rank: int, world: int, run: str, good: dict, bad: dict) ->
     return out
 
 
-def test_load_fails_on_every_rank_at_once_when_one_rank_cannot_read_the_store(s3: dict, refusing: str) -> None:  # noqa: F811
+def test_load_fails_on_every_rank_at_once_when_one_rank_cannot_read_the_store(s3: dict, refusing: str) -> None:
     """Rank 1's store refuses its connections: it raised at once while rank 0 installed its part and
     waited in the parameters' all-gather until the group's timeout. Now every rank raises within
     seconds: rank 1 its own error, rank 0 one naming rank 1, and no engine changed."""
@@ -166,7 +166,7 @@ def _save_unreachable(rank: int, world: int, run: str, good: dict, bad: dict) ->
 
 
 def test_async_save_fails_on_every_rank_within_seconds_when_one_rank_cannot_reach_the_store(
-    s3: dict, refusing: str  # noqa: F811
+    s3: dict, refusing: str
 ) -> None:
     """Rank 1's upload and its error marker both fail (its store refuses connections): rank 0 polled
     storage for the marker until the commit timeout (1800 s by default). Now the ranks' ``wait`` agrees
@@ -195,7 +195,7 @@ def _latest(rank: int, world: int, run: str, good: dict, bad: dict, refused_rank
 
 @pytest.mark.parametrize("refused_rank", [1, 0])
 def test_latest_committed_with_the_engine_is_one_decision_for_every_rank(
-    s3: dict, refusing: str, refused_rank: int  # noqa: F811
+    s3: dict, refusing: str, refused_rank: int
 ) -> None:
     """While a store comes back from an outage, one rank's listing failed and another's succeeded: the
     second went into ``load`` alone. With the engine, rank 0 lists for all: a rank whose store refuses

@@ -16,8 +16,9 @@ import pytest
 from fsspec.implementations.local import LocalFileSystem
 
 import zeroray.checkpoint as zc
-from tests.checkpoint_helpers import assemble, assert_same, make_engine, snapshot, train
-from tests.models import batches
+from tests.support.checkpoint import assemble, assert_same, make_engine, snapshot
+from tests.support.models import batches
+from tests.support.recipe import train
 from zeroray.checkpoint import commit as protocol
 from zeroray.checkpoint.manifest import FORMAT, MANIFEST, FileEntry, file_digest, part_file, rank_file
 from zeroray.cli import main

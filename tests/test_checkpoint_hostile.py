@@ -20,8 +20,9 @@ from typing import Any
 import pytest
 
 import zeroray.checkpoint as zc
-from tests.checkpoint_helpers import make_engine, train
-from tests.models import batches
+from tests.support.checkpoint import make_engine
+from tests.support.models import batches
+from tests.support.recipe import train
 from zeroray.checkpoint import storage
 from zeroray.checkpoint.manifest import MANIFEST, file_digest, rank_file
 from zeroray.cli import _verify, main

@@ -11,8 +11,9 @@ import time
 from pathlib import Path
 
 import zeroray.checkpoint as zc
-from tests.checkpoint_helpers import make_engine, train
-from tests.models import batches
+from tests.support.checkpoint import make_engine
+from tests.support.models import batches
+from tests.support.recipe import train
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = {"vocab": 4000, "d": 384}  # ~4.6M parameters: ~55 MB per save with Adam's states
@@ -21,8 +22,9 @@ SCRIPT = f"""
 import sys
 sys.path.insert(0, {str(REPO)!r})
 import zeroray.checkpoint as zc
-from tests.models import batches
-from tests.checkpoint_helpers import make_engine, train
+from tests.support.models import batches
+from tests.support.checkpoint import make_engine
+from tests.support.recipe import train
 engine = make_engine(2, **{MODEL!r})
 for step in (1, 2):
     train(engine, batches(0, 1, vocab={MODEL['vocab']}))

@@ -11,10 +11,11 @@ import torch
 from safetensors.torch import load_file
 
 import zeroray.checkpoint as zc
-from tests.checkpoint_helpers import assemble, assert_same, make_engine, snapshot, train
-from tests.dist_harness import run_ranks
-from tests.fixtures_s3 import SECRET, s3  # noqa: F401
-from tests.models import batches
+from tests.support.checkpoint import assemble, assert_same, make_engine, snapshot
+from tests.support.dist import run_ranks
+from tests.support.models import batches
+from tests.support.recipe import train
+from tests.support.s3 import SECRET
 
 
 def _worker(rank: int, world: int, run: str, options: dict[str, Any]) -> dict:
@@ -32,7 +33,7 @@ def _worker(rank: int, world: int, run: str, options: dict[str, Any]) -> dict:
     return {"saved": saved, "loaded": snapshot(fresh)}
 
 
-def test_s3_round_trip(s3: dict[str, Any], tmp_path: Path) -> None:  # noqa: F811
+def test_s3_round_trip(s3: dict[str, Any], tmp_path: Path) -> None:
     run = f"{s3['bucket']}/run"
     results = run_ranks(_worker, 2, run, s3["options"])
     want = assemble([r["saved"] for r in results])

@@ -20,9 +20,9 @@ from safetensors.torch import load_file
 
 import zeroray
 import zeroray.checkpoint as zc
-from tests.checkpoint_helpers import make_engine, train
-from tests.fixtures_s3 import s3  # noqa: F401
-from tests.models import batches
+from tests.support.checkpoint import make_engine
+from tests.support.models import batches
+from tests.support.recipe import train
 from zeroray.checkpoint.manifest import rank_file
 from zeroray.cli import main
 from zeroray.monitoring.plot import FILES
@@ -86,7 +86,7 @@ def test_ls_of_a_path_that_does_not_exist(tmp_path: Path, capsys: pytest.Capture
     _one_line_error(capsys, "nope does not exist")
 
 
-def test_ls_of_s3_without_credentials(s3: dict[str, Any], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:  # noqa: F811
+def test_ls_of_s3_without_credentials(s3: dict[str, Any], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
         monkeypatch.delenv(k, raising=False)
     missing = str(Path(__file__).parent / "no-such-aws-file")
@@ -218,7 +218,7 @@ def test_plot_default_out_comes_from_the_url_not_from_run_json(
 
 
 def test_wrong_folders_on_s3(
-    ckpt: str, s3: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture  # noqa: F811
+    ckpt: str, s3: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     """The same hints on an object store, which has no directories, only key prefixes."""
     import s3fs

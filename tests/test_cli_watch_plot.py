@@ -25,8 +25,7 @@ from typing import Any
 
 import pytest
 
-from tests.fixtures_s3 import s3  # noqa: F401
-from tests.ray_helpers import interruptible, run_config
+from tests.support.ray import interruptible, run_config
 from zeroray.cli import main
 from zeroray.monitoring import run_history, watch
 
@@ -169,7 +168,7 @@ def test_watch_once_shows_memory_and_samples_per_second(finished_run, tmp_path, 
         assert all(r["memory"]["process_peak_rss"] >= r["memory"]["process_rss"] for r in entry["_ranks"]), entry
 
 
-def test_watch_and_plot_read_a_run_on_s3(finished_run, s3, tmp_path, capsys):  # noqa: F811
+def test_watch_and_plot_read_a_run_on_s3(finished_run, s3, tmp_path, capsys):
     import s3fs
 
     url = f"{s3['bucket']}/runs/watched"

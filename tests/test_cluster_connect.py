@@ -10,7 +10,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tests.dist_harness import free_port
+from tests.support.dist import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = """

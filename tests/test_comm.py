@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from tests.dist_harness import run_ranks
+from tests.support.dist import run_ranks
 from zeroray.engine.comm import Comm, Handle, InFlight
 
 

@@ -4,7 +4,7 @@ autoscaler must launch worker nodes of the YAML's types for every job, and once 
 idle nodes back. Nothing of the cluster is left running afterwards: no process, no placement group.
 
 - examples/train_gpt.py asks for 2 workers, and trains on the nodes launched for it.
-- An elastic job (tests/autoscale_job.py, 1 to 3 workers) runs on the 2 nodes the cluster may have,
+- An elastic job (tests/jobs/autoscale_job.py, 1 to 3 workers) runs on the 2 nodes the cluster may have,
   grows when the cluster's max_workers is raised and a third node arrives, and goes on at 2 ranks
   when the test terminates the node under one of its ranks (SIGKILL of that node's raylet).
 
@@ -25,7 +25,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -39,9 +38,10 @@ import psutil
 import pytest
 import yaml
 
+from tests.support.deploy import MARKER, cluster_processes, end_processes
+
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE = ROOT / "cluster" / "aws-gpu.yaml"
-MARKER = "ZERORAY_DEPLOY_TEST_CLUSTER"
 HEAD_TYPE = "ray.head.default"  # the fake provider's fixed name for the head's type
 MAX_FAKE_WORKERS = 2  # per worker type: enough for the job, few processes on a 2-core machine
 IDLE_TIMEOUT_MINUTES = 0.1  # the YAML's 10 minutes, shortened so the test sees idle nodes given back
@@ -110,49 +110,6 @@ def fake_multinode_config(source: dict, gcs_address: str) -> dict:
         "head_start_ray_commands": [],
         "worker_start_ray_commands": [],
     }
-
-
-def cluster_processes(token: str, temp_dir: str) -> list[psutil.Process]:
-    """Every live process of this cluster: its environment carries the marker, or it writes under the
-    cluster's temp dir (each Ray process sends its output to the session's log files there). Both,
-    because Ray's renamed processes (``ray::DashboardAgent``, ``ray::IDLE``) overwrite the memory that
-    /proc shows as their environment."""
-    prefix = temp_dir.rstrip("/") + "/"
-    found = []
-    for proc in psutil.process_iter():
-        if proc.pid == os.getpid():
-            continue
-        try:
-            if proc.status() == psutil.STATUS_ZOMBIE:
-                continue
-            ours = proc.environ().get(MARKER) == token or any(
-                prefix in arg for arg in proc.cmdline()) or any(
-                os.readlink(f"/proc/{proc.pid}/fd/{fd}").startswith(prefix)
-                for fd in os.listdir(f"/proc/{proc.pid}/fd"))
-        except (psutil.Error, OSError):
-            continue
-        if ours:
-            found.append(proc)
-    return found
-
-
-def end_processes(token: str, temp_dir: str, grace_s: float = 10.0, timeout_s: float = 60.0) -> None:
-    """SIGTERM each process of the cluster, SIGKILL what still runs ``grace_s`` later; again for any
-    process started meanwhile, until none is left or ``timeout_s`` has passed."""
-    deadline = time.monotonic() + timeout_s
-    first_seen: dict[int, float] = {}
-    while time.monotonic() < deadline:
-        procs = cluster_processes(token, temp_dir)
-        if not procs:
-            return
-        now = time.monotonic()
-        for p in procs:
-            late = now - first_seen.setdefault(p.pid, now) >= grace_s
-            try:
-                p.send_signal(signal.SIGKILL if late else signal.SIGTERM)
-            except psutil.Error:
-                pass
-        psutil.wait_procs(procs, timeout=1.0)
 
 
 class FakeCluster:
@@ -336,7 +293,7 @@ def test_an_elastic_job_grows_as_nodes_arrive_and_shrinks_when_one_is_terminated
                                                                                 tmp_path: Path) -> None:
     stop, history = tmp_path / "stop", tmp_path / "runs" / "elastic" / "metrics.jsonl"
     fake_cluster.set_max_workers(2)
-    job = subprocess.Popen(_submit(fake_cluster, "tests/autoscale_job.py", str(tmp_path / "runs"), str(stop)),
+    job = subprocess.Popen(_submit(fake_cluster, "tests/jobs/autoscale_job.py", str(tmp_path / "runs"), str(stop)),
                            cwd=tmp_path, env=fake_cluster.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         # The job asks the autoscaler for room for 3 workers; the cluster may have 2 worker nodes.

@@ -26,7 +26,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from tests.deploy_helpers import HEALTH_CHECK, NVME_PATH, ROOT, by_kind, cluster_specs, manifests
+from tests.support.deploy import HEALTH_CHECK, NVME_PATH, ROOT, by_kind, cluster_specs, manifests
 
 CRDS = Path(__file__).resolve().parent / "data" / "kuberay"
 K8S_VERSION = "1.33"  # the oldest Kubernetes minor that KubeRay 1.7 supports among kubernetes-validate's

@@ -14,7 +14,7 @@ import ray
 import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 
-from tests.deploy_helpers import HEALTH_CHECK, LAUNCHER_YAMLS, NVME_PATH, ROOT, flag, ray_start_calls
+from tests.support.deploy import HEALTH_CHECK, LAUNCHER_YAMLS, NVME_PATH, ROOT, flag, ray_start_calls
 
 CLOUD_YAMLS = [p for p in LAUNCHER_YAMLS if yaml.safe_load(p.read_text())["provider"]["type"] != "local"]
 

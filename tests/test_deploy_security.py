@@ -31,20 +31,21 @@ import pytest
 import requests
 import yaml
 
-from tests.deploy_helpers import (
+from tests.support.deploy import (
     LAUNCHER_YAMLS,
+    MARKER,
     RAY,
     ROOT,
     STORAGE_SECRET,
     base_env,
     by_kind,
     cluster_specs,
+    end_processes,
     flag,
     manifests,
     ray_start_calls,
 )
-from tests.dist_harness import free_port
-from tests.test_deploy_autoscale import MARKER, end_processes
+from tests.support.dist import free_port
 
 RAY_PORTS = {6379: "GCS", 8265: "dashboard", 10001: "Ray Client"}
 TOKEN_PATH = "~/.ray/auth_token"  # where `ray get-auth-token --generate` writes it, and where Ray reads it

@@ -21,7 +21,7 @@ import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 
 import zeroray.train as zt
-from tests.ray_helpers import assert_nothing_left, run_config, wait_for_file
+from tests.support.ray import assert_nothing_left, run_config, wait_for_file
 from zeroray.train import FailureConfig, ScalingConfig, TrainingFailedError, ZeroTrainer
 
 STEPS, HOLD_AT, CHECKPOINT_EVERY = 10, 6, 4

@@ -20,7 +20,7 @@ import torch
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 
 import zeroray.train as zt
-from tests.ray_helpers import assert_nothing_left, run_config, wait_for_file
+from tests.support.ray import assert_nothing_left, run_config, wait_for_file
 from zeroray.train import FailureConfig, ScalingConfig, ZeroTrainer
 
 GLOBAL_BATCH, STEPS, GROW_AT = 6, 8, 3  # 6: sizes 1, 2 and 3 all keep the global batch
@@ -150,9 +150,10 @@ def test_release_stops_rank_0s_commit_from_waiting_for_a_dead_peer(tmp_path):
 
 def _dying_loop(config):
     """Four ranks of a ZeRO-2 model with small buckets; in the first group rank 1 dies in the middle of a
-    backward, with every rank's bucket reductions in flight (tests/peer_loss_job.py, on Ray)."""
-    from tests.models import TinyLM, batches, param_groups
-    from tests.peer_loss_job import die_mid_backward
+    backward, with every rank's bucket reductions in flight (tests/jobs/peer_loss_job.py, on Ray)."""
+    from tests.support.jobs import die_mid_backward
+    from tests.support.models import TinyLM, batches, param_groups
+    from tests.support.recipe import train
 
     ctx = zt.get_context()
     control = Path(config["control"])
@@ -164,10 +165,7 @@ def _dying_loop(config):
     engine = zt.prepare(model, torch.optim.AdamW(param_groups(model)))
     if rank == 1 and not (control / "died").exists():
         die_mid_backward(model, engine, str(control / "died"))
-    for x, y in batches(rank, 4):
-        engine.backward(engine(x, y))
-        engine.step()
-        zt.report({"step": engine.global_step})
+    train(engine, batches(rank, 4), on_step=lambda _: zt.report({"step": engine.global_step}))
 
 
 def test_a_peer_dying_mid_backward_keeps_every_survivor(ray_cluster, tmp_path):

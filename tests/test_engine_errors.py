@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zeroray
-from tests.dist_harness import run_ranks
+from tests.support.dist import run_ranks
 
 
 def test_stage_out_of_range() -> None:

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 import zeroray
-from tests.dist_harness import run_ranks
-from tests.models import Block, TinyLM, batches, param_groups
+from tests.support.dist import run_ranks
+from tests.support.models import Block, TinyLM, batches, param_groups
 
 
 def test_units_default_to_modulelist_blocks_and_can_be_named() -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 import zeroray
-from tests.models import train_gpt
+from tests.support.recipe import train_gpt
 from zeroray.models.gpt import GPT, GPTConfig
 
 

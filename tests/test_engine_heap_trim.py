@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import zeroray
-from tests.models import train_gpt
+from tests.support.recipe import train_gpt
 from zeroray.config import ConfigError
 from zeroray.engine.heap_trim import HeapTrimmer
 from zeroray.models.gpt import GPT, GPTConfig

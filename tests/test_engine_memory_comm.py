@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import zeroray
-from tests.dist_harness import run_ranks
+from tests.support.dist import run_ranks
 
 
 class Stack(nn.Module):

@@ -18,10 +18,10 @@ from torch.profiler import ProfilerActivity, profile
 
 import zeroray
 import zeroray.train as zt
-from tests.dist_harness import run_ranks
-from tests.models import Block, TinyLM, batches, param_groups
-from tests.parity_helpers import CLIP, GAS, LR, reference
-from tests.ray_helpers import assert_nothing_left
+from tests.support.dist import run_ranks
+from tests.support.models import Block, TinyLM, batches
+from tests.support.ray import assert_nothing_left
+from tests.support.recipe import CLIP, GAS, LR, optimizer, reference, train
 from zeroray.models.gpt import GPT, GPTConfig
 from zeroray.train import RunConfig, ScalingConfig, ZeroTrainer
 
@@ -93,17 +93,7 @@ def _state(model: nn.Module) -> dict[str, torch.Tensor]:
 def _engine(model: nn.Module, stage: int, **kw) -> zeroray.ZeroEngine:
     cfg = zeroray.ZeroConfig(stage=stage, gradient_accumulation_steps=GAS, gradient_clipping=CLIP)
     torch.manual_seed(SEED)  # every rank the same: they replay one RNG stream
-    return zeroray.initialize(model, torch.optim.AdamW(param_groups(model), lr=LR), cfg, **kw)
-
-
-def _train(engine: zeroray.ZeroEngine, data: list) -> tuple[list[float], dict]:
-    losses = []
-    for x, y in data:
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return losses, engine.full_state_dict()
+    return zeroray.initialize(model, optimizer(model), cfg, **kw)
 
 
 def _worker(rank: int, world: int) -> dict:
@@ -117,7 +107,8 @@ def _worker(rank: int, world: int) -> dict:
     for stage in range(4):
         model = _meta(StackLM)
         engine = _engine(model, stage)  # reset_parameters path
-        out[("stack", stage)] = (engine.full_state_dict(), engine.setup_comm_report(), _train(engine, data))
+        init_state, setup = engine.full_state_dict(), engine.setup_comm_report()
+        out[("stack", stage)] = (init_state, setup, (train(engine, data), engine.full_state_dict()))
         engine.close()
         out[("stack_closed", stage)] = _state(model)  # close() gives the model its full weights
         model = _meta(TinyLM)

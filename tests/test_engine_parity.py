@@ -15,9 +15,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zeroray
-from tests.dist_harness import run_ranks
-from tests.models import TinyLM, batches
-from tests.parity_helpers import GAS, OPT_STEPS, reference, zero_run
+from tests.support.dist import run_ranks
+from tests.support.models import TinyLM, batches
+from tests.support.recipe import GAS, OPT_STEPS, reference, zero_run
 from zeroray.config import PrecisionPolicy
 
 

@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zeroray
-from tests.dist_harness import run_ranks
+from tests.support.dist import run_ranks
 from zeroray.engine.gather_check import UnitMismatchError
 
 

@@ -10,21 +10,21 @@ the engine itself when a collective fails) drops them; leaving the group then cl
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-JOB = ROOT / "tests" / "peer_loss_job.py"
+from tests.support.jobs import JOBS, job_env
+
+JOB = JOBS / "peer_loss_job.py"
 WORLD = 4
 TIMEOUT_S = 120.0  # the group's collective timeout; a stuck survivor would report about this
 
 
 def _launch(tmp_path: Path, stage: int) -> dict[int, dict]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env = job_env()
     store = tmp_path / "store"
     procs = [
         subprocess.Popen([sys.executable, str(JOB), str(r), str(WORLD), str(store), str(tmp_path), str(stage),
@@ -56,7 +56,7 @@ def _abort_then_use(rank: int, world: int, stage: int) -> dict:
     import torch
 
     import zeroray
-    from tests.models import TinyLM, batches, param_groups
+    from tests.support.models import TinyLM, batches, param_groups
     from zeroray.engine import GroupAborted
 
     torch.manual_seed(0)
@@ -80,7 +80,7 @@ def _abort_then_use(rank: int, world: int, stage: int) -> dict:
 
 @pytest.mark.parametrize("stage", [1, 3])
 def test_after_abort_every_collective_refuses_naming_the_reason(stage):
-    from tests.dist_harness import run_ranks
+    from tests.support.dist import run_ranks
 
     for r in run_ranks(_abort_then_use, 2, stage):
         assert r["error"] is not None and "given up after a failure (rank 5 died)" in r["error"], r

@@ -16,7 +16,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 import zeroray
-from tests.models import train_gpt
+from tests.support.recipe import train_gpt
 from zeroray.engine.shared_grads import SharedGradSum
 from zeroray.models.gpt import GPT, GPTConfig
 

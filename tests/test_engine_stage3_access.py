@@ -19,26 +19,21 @@ import torch
 from torch import nn
 
 import zeroray
-from tests.dist_harness import run_ranks
-from tests.models import TinyLM, batches, param_groups
+from tests.support.dist import run_ranks
+from tests.support.models import TinyLM, batches
+from tests.support.recipe import optimizer, train
 
 
 def _engine(stage: int = 3, model: nn.Module | None = None, **cfg) -> tuple[nn.Module, zeroray.ZeroEngine]:
     torch.manual_seed(0)
     model = model if model is not None else TinyLM()
-    engine = zeroray.initialize(model, torch.optim.AdamW(param_groups(model), lr=1e-2), zeroray.ZeroConfig(stage=stage, **cfg))
+    engine = zeroray.initialize(model, optimizer(model), zeroray.ZeroConfig(stage=stage, **cfg))
     return model, engine
-
-
-def _train(engine: zeroray.ZeroEngine, rank: int, steps: int = 2) -> None:
-    for x, y in batches(rank, steps):
-        engine.backward(engine(x, y))
-        engine.step()
 
 
 def _touch(rank: int, world: int, case: str) -> str:
     model, engine = _engine()
-    _train(engine, rank)
+    train(engine, batches(rank, 2))
     p = model.h[0].fc.weight
     try:
         if case == "sum":
@@ -117,7 +112,7 @@ def test_touching_a_freed_parameter_does_not_crash(case: str, expect: str) -> No
 
 def _state_dict_inside_gathered(rank: int, world: int) -> dict:
     model, engine = _engine()
-    _train(engine, rank)
+    train(engine, batches(rank, 2))
     full = engine.full_state_dict()
     with engine.gathered_parameters():
         sd = model.state_dict()
@@ -137,7 +132,7 @@ def test_state_dict_inside_gathered_parameters_holds_the_full_weights() -> None:
 
 def _gathered_modifier(rank: int, world: int, stage: int, precision: str) -> dict:
     model, engine = _engine(stage, precision=precision)
-    _train(engine, rank)
+    train(engine, batches(rank, 2))
     before = engine.full_state_dict()
     fc = model.h[1].fc
     with engine.gathered_parameters([fc.weight, fc.bias], modifier_rank=1):
@@ -148,7 +143,7 @@ def _gathered_modifier(rank: int, world: int, stage: int, precision: str) -> dic
     after = engine.full_state_dict()
     with engine.gathered_parameters():
         everything = {n: p.detach().float().clone() for n, p in model.named_parameters()}
-    _train(engine, rank, 1)  # training goes on from the new values
+    train(engine, batches(rank, 1))  # training goes on from the new values
     return {"before": before, "seen": seen, "after": after, "everything": everything, "trained": engine.full_state_dict()}
 
 
@@ -172,14 +167,14 @@ def test_gathered_parameters_with_modifier_rank_reaches_every_shard_and_master(s
 
 def _close_and_again(rank: int, world: int) -> dict:
     model, engine = _engine()
-    _train(engine, rank)
+    train(engine, batches(rank, 2))
     full = engine.full_state_dict()
     engine.close()
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     sd = model.state_dict()  # hooks are gone: plain module again
-    engine2 = zeroray.initialize(model, torch.optim.AdamW(param_groups(model), lr=1e-2), zeroray.ZeroConfig(stage=3))
+    engine2 = zeroray.initialize(model, optimizer(model), zeroray.ZeroConfig(stage=3))
     again = engine2.full_state_dict()
-    _train(engine2, rank)
+    train(engine2, batches(rank, 2))
     return {"full": full, "params": params, "sd": sorted(sd), "again": again, "loss": float(engine2(*batches(rank, 1)[0]))}
 
 

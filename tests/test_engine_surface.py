@@ -11,8 +11,9 @@ import torch.distributed as dist
 from torch import nn
 
 import zeroray
-from tests.dist_harness import run_ranks
-from tests.models import TinyLM, batches, param_groups
+from tests.support.dist import run_ranks
+from tests.support.models import TinyLM, batches, param_groups
+from tests.support.recipe import train
 
 
 class TinyGenerator(nn.Module):
@@ -114,9 +115,7 @@ def test_step_without_backward_is_a_no_op(stage: int) -> None:
     engine.step()  # nothing happened yet; two calls would reach an accumulation boundary
     engine.step()
     assert_unchanged(before)
-    for x, y in batches(0, 2):
-        engine.backward(engine(x, y))
-        engine.step()
+    train(engine, batches(0, 2))
     assert engine.global_step == 1 and engine.micro_step == 2
     trained = snapshot()
     engine.step()  # a second step after the last backward: no micro-step, no optimizer step

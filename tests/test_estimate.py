@@ -192,6 +192,7 @@ def test_estimate_matches_engine_memory_report(stage: int, precision: str) -> No
     zeroray = pytest.importorskip("zeroray")
     if not hasattr(zeroray, "initialize"):
         pytest.skip("the engine (zeroray.initialize) is not there yet")
+    from tests.support.recipe import gpt_loss, train
     from zeroray.models import GPT, GPTConfig
 
     torch.manual_seed(0)
@@ -201,11 +202,8 @@ def test_estimate_matches_engine_memory_report(stage: int, precision: str) -> No
         torch.optim.AdamW(model.parameters()),
         config=zeroray.ZeroConfig(stage=stage, precision=precision),
     )
-    for step in range(2):
-        x = torch.randint(128, (2, 16), generator=torch.Generator().manual_seed(step))
-        _, loss = engine(x, x)
-        engine.backward(loss)
-        engine.step()
+    tokens = [torch.randint(128, (2, 16), generator=torch.Generator().manual_seed(step)) for step in range(2)]
+    train(engine, [(x, x) for x in tokens], loss=gpt_loss)
     report = engine.memory_report()
     est = estimate(model.num_params(), 1, stage, precision)
     for key in ("params", "grads", "optimizer"):
@@ -247,7 +245,7 @@ def _offloaded_engines(rank: int, world: int, nvme_path: str) -> dict:
 
 @pytest.fixture(scope="module")
 def offloaded(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    from tests.dist_harness import run_ranks
+    from tests.support.dist import run_ranks
 
     return run_ranks(_offloaded_engines, 2, str(tmp_path_factory.mktemp("nvme")))
 

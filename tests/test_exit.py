@@ -8,7 +8,7 @@ destructor. zeroray's collectives now keep their tensors until the worker has le
 (:mod:`zeroray.engine.comm`), so every tensor is freed on the thread that issued the collective.
 
 The first test checks that property directly (it fails reliably without the fix); the second
-launches real world-2 jobs a bounded number of times. ``python -m tests.exit_loop`` runs hundreds.
+launches real world-2 jobs a bounded number of times. ``python -m tests.jobs.exit_loop`` runs hundreds.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.dist_harness import run_ranks
-from tests.exit_loop import launch
+from tests.support.dist import run_ranks
+from tests.support.jobs import launch_exit_job
 from zeroray.engine.comm import Comm
 
 
@@ -62,7 +62,7 @@ def test_world2_jobs_exit_cleanly() -> None:
     destroy_process_group): every rank exits with 0."""
     failures = []
     for i in range(2):
-        for rank, (rc, err) in enumerate(launch(2, destroy=i % 2 == 1)):
+        for rank, (rc, err) in enumerate(launch_exit_job(2, destroy=i % 2 == 1)):
             if rc != 0:
                 failures.append(f"launch {i} rank {rank}: exit {rc}: {err[-500:]}")
     assert not failures, "\n".join(failures)

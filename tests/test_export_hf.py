@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 
 import zeroray
-from tests.dist_harness import run_ranks
-from tests.pretrained_helpers import engine_for, export_round_trip, llama
+from tests.support.dist import run_ranks
+from tests.support.pretrained import engine_for, export_round_trip, llama
 from zeroray.cli import main
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import zeroray
-from tests.dist_harness import run_ranks
+from tests.support.dist import run_ranks
 from zeroray.engine.phase_timer import PhaseTimer
 from zeroray.models.gpt import GPT, GPTConfig
 from zeroray.monitoring import dashboard, flops

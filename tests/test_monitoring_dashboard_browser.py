@@ -24,8 +24,8 @@ from typing import Any
 
 import pytest
 
-from tests.processes import stop
-from tests.ray_helpers import run_config
+from tests.support.processes import stop
+from tests.support.ray import run_config
 
 RUN = "dashboard-run"
 WORKERS = 2

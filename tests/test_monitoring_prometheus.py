@@ -25,8 +25,8 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.processes import stop
-from tests.ray_helpers import run_config
+from tests.support.processes import stop
+from tests.support.ray import run_config
 from zeroray.monitoring import dashboard
 from zeroray.monitoring import metrics as M
 

@@ -16,18 +16,19 @@ import sys
 
 import pytest
 import torch
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zeroray
 import zeroray.checkpoint as ckpt
-from tests.dist_harness import run_ranks
-from tests.models import TinyLM, batches, param_groups
-from tests.offload_helpers import CLIP, GAS, LR, STEPS, nvme_offload, offload_config, run_rss_probe, train_run
+from tests.support import recipe
+from tests.support.dist import run_ranks
+from tests.support.models import TinyLM, batches
+from tests.support.offload import nvme_offload, run_rss_probe, train_run
+from tests.support.recipe import GAS, OPT_STEPS, reference, train
 from zeroray.config import ConfigError
 
 
 def _offload_worker(rank: int, world: int, nvme_path: str, slow_path: str | None) -> dict:
-    data = batches(rank, GAS * STEPS)
+    data = batches(rank, GAS * OPT_STEPS)
     torch.manual_seed(0)
     init = TinyLM()
     out = {}
@@ -45,7 +46,7 @@ def _offload_worker(rank: int, world: int, nvme_path: str, slow_path: str | None
                 if slow_path is not None and precision == "bf16":  # tmpfs: no O_DIRECT, buffered I/O
                     runs["nvme-buffered"] = {**nvme_offload(slow_path, rank), "sub_group_size": 50}
             for name, extra in runs.items():
-                out[(precision, stage, name)] = train_run(copy.deepcopy(init), data, offload_config(stage, precision, None, **(extra or {})))
+                out[(precision, stage, name)] = train_run(copy.deepcopy(init), data, recipe.config(stage, precision, **(extra or {})))
     out["left"] = sorted(os.listdir(os.path.join(nvme_path, "zeroray-swap")))
     return out
 
@@ -82,25 +83,11 @@ def test_offload_is_bitwise_equal_to_no_offload(world, tmp_path, tmpfs):
 
 # ------------------------------------------------------------------------------ against DDP
 def _ddp_vs_nvme(rank: int, world: int, path: str) -> dict:
-    data = batches(rank, GAS * STEPS)
+    data = batches(rank, GAS * OPT_STEPS)
     torch.manual_seed(0)
     init = TinyLM()
-    model = copy.deepcopy(init)
-    ddp = DDP(model)
-    opt = torch.optim.AdamW(param_groups(model), lr=LR)
-    ref_losses = []
-    for i, (x, y) in enumerate(data):
-        boundary = (i + 1) % GAS == 0
-        with ddp.no_sync() if not boundary else torch.enable_grad():
-            loss = ddp(x, y)
-            (loss / GAS).backward()
-        ref_losses.append(loss.item())
-        if boundary:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-            opt.step()
-            opt.zero_grad()
-    ref = {n: p.detach().clone() for n, p in model.named_parameters()}
-    cfg = offload_config(3, "fp32", None, **nvme_offload(path, rank), sub_group_size=100)
+    ref_losses, ref, _ = reference(rank, copy.deepcopy(init), data)
+    cfg = recipe.config(3, "fp32", **nvme_offload(path, rank), sub_group_size=100)
     return {"ref": (ref_losses, ref), "nvme": train_run(copy.deepcopy(init), data, cfg)[:2]}
 
 
@@ -120,30 +107,21 @@ def _resume_worker(rank: int, world: int, path: str, url: str) -> dict:
     data = batches(rank, 4 * GAS)
     torch.manual_seed(0)
     init = TinyLM()
-    cfg = offload_config(3, "bf16", None, **nvme_offload(path, rank), sub_group_size=50)
+    cfg = recipe.config(3, "bf16", **nvme_offload(path, rank), sub_group_size=50)
 
     def engine_for(model):
-        return zeroray.initialize(model, torch.optim.AdamW(param_groups(model), lr=LR), cfg)
-
-    def run(engine, batch_list):
-        losses = []
-        for x, y in batch_list:
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
-        return losses
+        return zeroray.initialize(model, recipe.optimizer(model), cfg)
 
     straight = engine_for(copy.deepcopy(init))
-    first = run(straight, data[: 2 * GAS])
+    first = train(straight, data[: 2 * GAS])
     ckpt.save(straight, url)
-    rest = run(straight, data[2 * GAS :])
+    rest = train(straight, data[2 * GAS :])
     want = straight.full_state_dict()
     straight.close()
 
     resumed = engine_for(copy.deepcopy(init))
     ckpt.load(resumed, url)
-    again = run(resumed, data[2 * GAS :])
+    again = train(resumed, data[2 * GAS :])
     got = resumed.full_state_dict()
     resumed.close()
     return {"first": first, "rest": rest, "again": again, "want": want, "got": got}
@@ -162,10 +140,8 @@ def _save_worker(rank: int, world: int, path: str, url: str, offload: bool) -> N
     torch.manual_seed(0)
     model = TinyLM()
     extra = {**nvme_offload(path, rank), "sub_group_size": 60} if offload else {}
-    engine = zeroray.initialize(model, torch.optim.AdamW(param_groups(model), lr=LR), offload_config(3, "fp32", None, **extra))
-    for x, y in data:
-        engine.backward(engine(x, y))
-        engine.step()
+    engine = zeroray.initialize(model, recipe.optimizer(model), recipe.config(3, "fp32", **extra))
+    train(engine, data)
     ckpt.save(engine, url)
     engine.close()
 
@@ -173,7 +149,7 @@ def _save_worker(rank: int, world: int, path: str, url: str, offload: bool) -> N
 def _load_worker(rank: int, world: int, url: str) -> dict:
     torch.manual_seed(1)  # other initial values: everything must come from the checkpoint
     model = TinyLM()
-    engine = zeroray.initialize(model, torch.optim.AdamW(param_groups(model), lr=LR), offload_config(1, "fp32", None))
+    engine = zeroray.initialize(model, recipe.optimizer(model), recipe.config(1, "fp32"))
     ckpt.load(engine, url)
     shards = {g.name: {k: v.clone() for k, v in g.tensors.items()} for g in engine.shard_state()}
     out = {"full": engine.full_state_dict(), "shards": shards, "meta": engine.state_meta()["optimizer_scalars"]}
@@ -238,7 +214,7 @@ def test_short_read_is_an_error_not_zeros(tmp_path):
 
 _KILLED = """
 import sys, os, torch, zeroray
-from tests.models import TinyLM
+from tests.support.models import TinyLM
 engine = zeroray.initialize(TinyLM(), torch.optim.AdamW, zeroray.ZeroConfig(
     stage=1, offload_optimizer={"device": "nvme", "nvme_path": sys.argv[1]}))
 print(engine.optim.home.swap.path, flush=True)

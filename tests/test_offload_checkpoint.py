@@ -18,13 +18,12 @@ import torch
 
 import zeroray
 import zeroray.checkpoint as ckpt
-from tests.dist_harness import run_ranks
-from tests.models import TinyLM, batches, param_groups
-from tests.offload_helpers import run_rss_probe
+from tests.support.dist import run_ranks
+from tests.support.models import TinyLM, batches
+from tests.support.offload import run_rss_probe
+from tests.support.recipe import CLIP, GAS, optimizer, train
 from zeroray.checkpoint.manifest import Manifest
 from zeroray.checkpoint.storage import open_url, read_manifest
-
-GAS, LR = 2, 1e-2
 
 
 def _save_worker(rank: int, world: int, path: str, urls: dict[str, str], offload: dict | None) -> None:
@@ -33,16 +32,14 @@ def _save_worker(rank: int, world: int, path: str, urls: dict[str, str], offload
     torch.manual_seed(0)
     model = TinyLM()
     cfg = zeroray.ZeroConfig(
-        stage=3, gradient_accumulation_steps=GAS, gradient_clipping=0.5, comm={"reduce_bucket_size": 500},
+        stage=3, gradient_accumulation_steps=GAS, gradient_clipping=CLIP, comm={"reduce_bucket_size": 500},
         **(offload or {}),
     )
-    engine = zeroray.initialize(model, torch.optim.AdamW(param_groups(model), lr=LR), cfg)
+    engine = zeroray.initialize(model, optimizer(model), cfg)
     saver = ckpt.AsyncSaver(engine)
     data = batches(rank, 4 * GAS)
     for step, name in ((0, "first"), (1, "second")):
-        for x, y in data[2 * GAS * step : 2 * GAS * (step + 1)]:
-            engine.backward(engine(x, y))
-            engine.step()
+        train(engine, data[2 * GAS * step : 2 * GAS * (step + 1)])
         ckpt.save(engine, urls[name])
         saver.save(urls[name + "-async"])
     saver.wait()
@@ -176,20 +173,16 @@ def test_async_save_without_room_for_a_copy_streams_before_it_returns(tmp_path):
         torch.manual_seed(0)
         model = TinyLM()
         cfg = zeroray.ZeroConfig(stage=1, sub_group_size=50, offload_optimizer={"device": "nvme", "nvme_path": str(mnt)})
-        engine = zeroray.initialize(model, torch.optim.AdamW(param_groups(model), lr=LR), cfg)
+        engine = zeroray.initialize(model, optimizer(model), cfg)
         try:
             data = batches(0, 4)
-            for x, y in data[:2]:
-                engine.backward(engine(x, y))
-                engine.step()
+            train(engine, data[:2])
             ckpt.save(engine, str(tmp_path / "sync"))
             saver = ckpt.AsyncSaver(engine)
             saver.save(str(tmp_path / "async"))
             files = sorted(os.listdir(engine.optim.home.swap.path))
             assert files == [f"subgroup{i:05d}.swap" for i in range(len(engine.optim.sub_groups))]  # no copy
-            for x, y in data[2:]:
-                engine.backward(engine(x, y))
-                engine.step()
+            train(engine, data[2:])
             saver.wait()
         finally:
             engine.close()
@@ -205,10 +198,8 @@ def test_nvme_load_writes_each_swap_file_once_and_reads_none(tmp_path):
     (``load_shard_state``: in-memory snapshots, pretrained weights)."""
     torch.manual_seed(0)
     model = TinyLM()
-    engine = zeroray.initialize(model, torch.optim.AdamW(param_groups(model), lr=LR), zeroray.ZeroConfig(stage=1))
-    for x, y in batches(0, 2):
-        engine.backward(engine(x, y))
-        engine.step()
+    engine = zeroray.initialize(model, optimizer(model), zeroray.ZeroConfig(stage=1))
+    train(engine, batches(0, 2))
     url = str(tmp_path / "ckpt")
     ckpt.save(engine, url)
     want = {g.name: {k: v.clone() for k, v in g.tensors.items()} for g in engine.shard_state()}
@@ -218,7 +209,7 @@ def test_nvme_load_writes_each_swap_file_once_and_reads_none(tmp_path):
     torch.manual_seed(1)
     model = TinyLM()
     cfg = zeroray.ZeroConfig(stage=1, sub_group_size=45, offload_optimizer={"device": "nvme", "nvme_path": str(tmp_path)})
-    nvme = zeroray.initialize(model, torch.optim.AdamW(param_groups(model), lr=LR), cfg)
+    nvme = zeroray.initialize(model, optimizer(model), cfg)
     assert max(len(s.pieces) for s in nvme.optim.sub_groups) > 1
     for load in (lambda: ckpt.load(nvme, url), lambda: nvme.load_shard_state(want, meta)):
         before = nvme.optim.io_report()

@@ -16,9 +16,11 @@ import torch
 
 import zeroray
 import zeroray.checkpoint as ckpt
-from tests.dist_harness import run_ranks
-from tests.models import TinyLM, batches, param_groups
-from tests.offload_helpers import GAS, LR, nvme_offload, offload_config, train_run
+from tests.support import recipe
+from tests.support.dist import run_ranks
+from tests.support.models import TinyLM, batches
+from tests.support.offload import nvme_offload, train_run
+from tests.support.recipe import GAS, OPT_STEPS, train
 from zeroray.config import ConfigError
 from zeroray.engine.offload.files import aligned
 
@@ -30,7 +32,7 @@ def _params(path: str, **kw) -> dict:
 def _worker(rank: int, world: int, path: str) -> dict:
     path = os.path.join(path, f"rank{rank}")  # what is left is this rank's alone, whenever the others finish
     os.makedirs(path)
-    data = batches(rank, GAS * 3)
+    data = batches(rank, GAS * OPT_STEPS)
     torch.manual_seed(0)
     init = TinyLM()
     out = {}
@@ -43,7 +45,7 @@ def _worker(rank: int, world: int, path: str) -> dict:
             "params+nvme": {**_params(path, buffer_count=3), **nvme_offload(path, rank, buffer_count=3), "sub_group_size": 50},
         }
         for name, extra in runs.items():
-            out[(precision, name)] = train_run(copy.deepcopy(init), data, offload_config(3, precision, None, **extra))
+            out[(precision, name)] = train_run(copy.deepcopy(init), data, recipe.config(3, precision, **extra))
     out["left"] = sorted(os.listdir(os.path.join(path, "zeroray-swap")))
     return out
 
@@ -69,13 +71,11 @@ def test_read_ahead_serves_the_gathers_and_the_counts_add_up(tmp_path):
     torch.manual_seed(0)
     model = TinyLM()
     # Optimizer states in files too, in small sub-groups: the new weights come back piece by piece.
-    cfg = offload_config(3, "bf16", None, **_params(str(tmp_path), buffer_count=8), **nvme_offload(str(tmp_path), 0),
-                         sub_group_size=50)
-    engine = zeroray.initialize(model, torch.optim.AdamW(param_groups(model), lr=LR), cfg)
+    cfg = recipe.config(3, "bf16", **_params(str(tmp_path), buffer_count=8), **nvme_offload(str(tmp_path), 0),
+                        sub_group_size=50)
+    engine = zeroray.initialize(model, recipe.optimizer(model), cfg)
     steps = 6
-    for x, y in batches(0, steps * GAS):
-        engine.backward(engine(x, y))
-        engine.step()
+    train(engine, batches(0, steps * GAS))
     io = engine.offload_io()["params"]
     units = engine.scheduler.units
     # Per micro-step: every group gathered for forward, and every unit's groups again for backward.
@@ -96,18 +96,11 @@ def _save(rank: int, world: int, path: str, url: str, offload: bool) -> dict:
     torch.manual_seed(0)
     model = TinyLM()
     extra = {**_params(path), **nvme_offload(path, rank), "sub_group_size": 60} if offload else {}
-    engine = zeroray.initialize(model, torch.optim.AdamW(param_groups(model), lr=LR), offload_config(3, "bf16", None, **extra))
+    engine = zeroray.initialize(model, recipe.optimizer(model), recipe.config(3, "bf16", **extra))
     data = batches(rank, 4 * GAS)
-    for x, y in data[: 2 * GAS]:
-        engine.backward(engine(x, y))
-        engine.step()
+    train(engine, data[: 2 * GAS])
     ckpt.save(engine, url)
-    rest = []
-    for x, y in data[2 * GAS :]:
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        rest.append(loss.item())
+    rest = train(engine, data[2 * GAS :])
     engine.close()
     return {"rest": rest}
 
@@ -115,16 +108,12 @@ def _save(rank: int, world: int, path: str, url: str, offload: bool) -> dict:
 def _load(rank: int, world: int, url: str, stage: int, extra: dict) -> dict:
     torch.manual_seed(1)  # other initial values: everything must come from the checkpoint
     model = TinyLM()
-    engine = zeroray.initialize(model, torch.optim.AdamW(param_groups(model), lr=LR), offload_config(stage, "bf16", None, **extra))
+    engine = zeroray.initialize(model, recipe.optimizer(model), recipe.config(stage, "bf16", **extra))
     ckpt.load(engine, url)
     full = engine.full_state_dict()
     rest = []
     if engine.world_size == 2:  # the saving world: the same data, the same losses
-        for x, y in batches(rank, 4 * GAS)[2 * GAS :]:
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            rest.append(loss.item())
+        rest = train(engine, batches(rank, 4 * GAS)[2 * GAS :])
     engine.close()
     return {"full": full, "rest": rest}
 
@@ -153,7 +142,7 @@ def test_weights_written_inside_gathered_parameters_reach_the_files(tmp_path):
     out = []
     for extra in ({}, _params(str(tmp_path))):
         model = copy.deepcopy(init)
-        engine = zeroray.initialize(model, torch.optim.AdamW(param_groups(model), lr=LR), offload_config(3, "fp32", None, **extra))
+        engine = zeroray.initialize(model, recipe.optimizer(model), recipe.config(3, "fp32", **extra))
         with engine.gathered_parameters(modifier_rank=0):
             with torch.no_grad():
                 for p in model.parameters():

@@ -20,9 +20,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import zeroray
-from tests.dist_harness import run_ranks
-from tests.fixtures_s3 import s3  # noqa: F401
-from tests.pretrained_helpers import (
+from tests.support.dist import run_ranks
+from tests.support.pretrained import (
     BUILDERS,
     assert_loaded,
     engine_for,
@@ -46,7 +45,7 @@ ON_S3 = ("llama_bf16", "gpt2")
 
 
 @pytest.fixture(scope="module")
-def sources(tmp_path_factory: pytest.TempPathFactory, s3: dict[str, Any]) -> dict[str, dict[str, Any]]:  # noqa: F811
+def sources(tmp_path_factory: pytest.TempPathFactory, s3: dict[str, Any]) -> dict[str, dict[str, Any]]:
     out = write_sources(tmp_path_factory.mktemp("pretrained"))
     fs = s3fs.S3FileSystem(**s3["options"])
     for name, src in out.items():

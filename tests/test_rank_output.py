@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.ray_helpers import run_config
+from tests.support.ray import run_config
 
 DEADLINE_S = 60.0
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")

@@ -16,7 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import zeroray
-from tests.pretrained_helpers import engine_for, zgpt
+from tests.support.pretrained import engine_for, zgpt
 from zeroray import PretrainedError
 from zeroray.checkpoint.safetensors_file import RangeReader, read_header
 

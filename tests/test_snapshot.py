@@ -11,9 +11,10 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from tests.checkpoint_helpers import STEPS, assemble, assert_same, make_engine, snapshot, train
-from tests.dist_harness import run_ranks
-from tests.models import batches
+from tests.support.checkpoint import assemble, assert_same, make_engine, snapshot
+from tests.support.dist import run_ranks
+from tests.support.models import batches
+from tests.support.recipe import OPT_STEPS, train
 from zeroray.checkpoint.snapshot import SnapshotStore, buddies, choose, replicate, restore, take
 from zeroray.engine import Comm
 
@@ -25,12 +26,12 @@ def _worker(rank: int, world: int) -> dict[int, Any]:
     out: dict[int, Any] = {}
     for stage in STAGES:
         engine = make_engine(stage)
-        data = batches(rank, STEPS + 1)
-        train(engine, data[:STEPS])
+        data = batches(rank, OPT_STEPS + 1)
+        train(engine, data[:OPT_STEPS])
         before = snapshot(engine)
         store = SnapshotStore()
         replicate(Comm(dist.group.WORLD), store, take(engine, f"g{stage}"), NODES)
-        train(engine, data[STEPS:])  # the snapshot is a copy: the live state moves on
+        train(engine, data[OPT_STEPS:])  # the snapshot is a copy: the live state moves on
         engine.close()
         node_0 = dist.new_group([0, 1])  # node 1 (ranks 2 and 3) is lost
         one_copy_each = dist.new_group([1, 3])  # ranks 0 and 2, and with them both copies of rank 0's shard
@@ -58,8 +59,8 @@ def ranks() -> list[dict[int, Any]]:
 def test_survivors_of_a_lost_node_rebuild_the_state_from_memory(ranks: list[dict[int, Any]], stage: int) -> None:
     # Each rank holds its own snapshot and its buddy's copy: rank 0 holds 0 and 2's, rank 1 holds 1 and 3's.
     assert [r[stage]["held"] for r in ranks] == [[0, 2], [1, 3], [0, 2], [1, 3]]
-    # The survivors agree on step STEPS of the group of 4; each serves two of its shards.
-    assert ranks[0][stage]["choice"] == ranks[1][stage]["choice"] == (STEPS, 4, (0, 1, 0, 1))
+    # The survivors agree on step OPT_STEPS of the group of 4; each serves two of its shards.
+    assert ranks[0][stage]["choice"] == ranks[1][stage]["choice"] == (OPT_STEPS, 4, (0, 1, 0, 1))
     want = assemble([r[stage]["before"] for r in ranks])
     assert_same(assemble([r[stage]["restored"] for r in ranks[:2]]), want, f"stage {stage} restored at world 2")
 

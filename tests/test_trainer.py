@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 import zeroray.train as zt
-from tests.ray_helpers import (
+from tests.support.ray import (
     assert_nothing_left,
     interruptible,
     list_actors,

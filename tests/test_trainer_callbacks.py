@@ -10,7 +10,7 @@ import threading
 import pytest
 
 import zeroray.train as zt
-from tests.ray_helpers import assert_nothing_left, run_config
+from tests.support.ray import assert_nothing_left, run_config
 from zeroray.train import FailureConfig, ZeroTrainer
 
 

@@ -15,7 +15,7 @@ import torch
 
 import zeroray.checkpoint as zc
 import zeroray.train as zt
-from tests.ray_helpers import assert_nothing_left, run_config
+from tests.support.ray import assert_nothing_left, run_config
 from zeroray.train import (
     CheckpointConfig,
     FailureConfig,

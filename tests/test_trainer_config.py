@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 import zeroray.checkpoint as zc
-from tests.checkpoint_helpers import make_engine
+from tests.support.checkpoint import make_engine
 from zeroray.train import (
     CheckpointConfig,
     ControllerCallback,

@@ -11,9 +11,10 @@ import torch
 
 import zeroray
 import zeroray.train as zt
-from tests.dist_harness import run_ranks
-from tests.models import TinyLM, batches
-from tests.ray_helpers import assert_nothing_left
+from tests.support.dist import run_ranks
+from tests.support.models import TinyLM, batches
+from tests.support.ray import assert_nothing_left
+from tests.support.recipe import train
 from zeroray.train import RunConfig, ScalingConfig, ZeroTrainer
 
 STEPS = 4
@@ -28,11 +29,7 @@ def _model_and_optimizer() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 
 def _train(engine, rank: int, on_step) -> dict[str, torch.Tensor]:
     """The loop body both launchers run; returns the full (gathered) weights."""
-    for idx, tgt in batches(rank, STEPS)[engine.global_step:]:
-        loss = engine(idx, tgt)
-        engine.backward(loss)
-        engine.step()
-        on_step(loss.item())
+    train(engine, batches(rank, STEPS)[engine.global_step:], on_step=on_step)
     return {k: v.detach().clone() for k, v in engine.full_state_dict().items()}
 
 

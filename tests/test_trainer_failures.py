@@ -16,7 +16,7 @@ import torch.distributed as dist
 from ray.util.placement_group import placement_group, remove_placement_group
 
 import zeroray.train as zt
-from tests.ray_helpers import assert_nothing_left, list_actors, list_placement_groups, run_config
+from tests.support.ray import assert_nothing_left, list_actors, list_placement_groups, run_config
 from zeroray.train import FailureConfig, RunConfig, ScalingConfig, TrainingFailedError, ZeroTrainer
 from zeroray.train.driver.run_dir import StorageError
 

@@ -17,9 +17,8 @@ from pathlib import Path
 import pytest
 
 import zeroray.train as zt
-from tests.fixtures_s3 import s3  # noqa: F401
-from tests.ray_helpers import assert_nothing_left, zeroray_actors
-from tests.s3_proxy import SlowProxy
+from tests.support.ray import assert_nothing_left, zeroray_actors
+from tests.support.s3 import SlowProxy
 from zeroray.train import RunConfig, ScalingConfig, ZeroTrainer
 from zeroray.train.driver.lease import RunLease, exclusive
 from zeroray.train.driver.run_dir import RunStorage
@@ -131,7 +130,7 @@ def test_a_fresh_lease_file_refuses_and_an_unreadable_one_counts_as_stale(ray_cl
 
 
 @pytest.mark.parametrize("where", ["local", "s3"])
-def test_lease_and_history_on_local_disk_and_object_storage(s3, tmp_path, where, caplog):  # noqa: F811
+def test_lease_and_history_on_local_disk_and_object_storage(s3, tmp_path, where, caplog):
     storage_path, options = (str(tmp_path), None) if where == "local" else (s3["bucket"] + f"/{tmp_path.name}",
                                                                            s3["options"])
     storage = RunStorage(storage_path, "run", options)
@@ -189,7 +188,7 @@ def test_a_takeover_between_a_heartbeats_check_and_its_write_is_never_overwritte
 
 
 @pytest.mark.parametrize("held", ["none", "stale"])
-def test_two_takers_racing_behind_slow_puts_get_one_lease(s3, held, caplog):  # noqa: F811
+def test_two_takers_racing_behind_slow_puts_get_one_lease(s3, held, caplog):
     """Two fits of one run start while the store is slow to take PUTs of the lease (2 s for the first, 4 s
     for the second): the second reads the lease while the first's PUT is still on its way. Both took it
     (a write, then a read-back of their own write, each before the other's landed), both ran, and the

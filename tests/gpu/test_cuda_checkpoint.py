@@ -10,17 +10,11 @@ import torch
 from safetensors.torch import load_file
 from torch.utils._pytree import tree_map
 
-import zeroray
 import zeroray.checkpoint as zc
-from tests.checkpoint_helpers import STEPS, assemble, assert_same, make_engine, snapshot
-from tests.dist_harness import run_ranks
-from tests.models import batches
-
-
-def _train(engine: zeroray.ZeroEngine, rank: int, steps: int, dev: torch.device) -> None:
-    for x, y in batches(rank, steps):
-        engine.backward(engine(x.to(dev), y.to(dev)))
-        engine.step()
+from tests.support.checkpoint import assemble, assert_same, make_engine, snapshot
+from tests.support.dist import run_ranks
+from tests.support.models import batches
+from tests.support.recipe import OPT_STEPS, train
 
 
 def _cpu(obj: Any) -> Any:
@@ -33,7 +27,7 @@ def _worker(rank: int, world: int, base: str) -> dict:
     out: dict[Any, Any] = {}
     for stage in (1, 2, 3):
         engine = make_engine(stage, 0, dev)
-        _train(engine, rank, STEPS, dev)
+        train(engine, [(x.to(dev), y.to(dev)) for x, y in batches(rank, OPT_STEPS)])
         zc.save(engine, f"{base}/s{stage}/checkpoint_sync")
         saver = zc.AsyncSaver(engine)
         saver.save(f"{base}/s{stage}/checkpoint_async")
@@ -58,7 +52,7 @@ def test_cuda_checkpoints_round_trip_reshard_and_export(tmp_path: Path) -> None:
     results = run_ranks(_worker, 2, str(tmp_path))
     for stage in (1, 2, 3):
         want = assemble([r[stage]["before"] for r in results])
-        assert want["meta"]["global_step"] == STEPS
+        assert want["meta"]["global_step"] == OPT_STEPS
         for r in results:
             assert r[stage]["pinned"], "the async save's host buffer is pinned on CUDA"
         for kind in ("sync", "async"):

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import zeroray
-from tests.dist_harness import run_ranks
-from tests.models import TinyLM, batches, param_groups
-from tests.parity_helpers import GAS, OPT_STEPS, reference, zero_run
+from tests.support.dist import run_ranks
+from tests.support.models import TinyLM, batches, param_groups
+from tests.support.recipe import GAS, OPT_STEPS, reference, zero_run
 
 PRECISIONS = ["fp32", "bf16", "fp16"]
 REPO = Path(__file__).resolve().parents[2]

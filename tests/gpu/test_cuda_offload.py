@@ -15,31 +15,20 @@ import pytest
 import torch
 
 import zeroray
-from tests.dist_harness import run_ranks
-from tests.models import TinyLM, batches, param_groups
-from tests.offload_helpers import offload_config, train_run
-from tests.parity_helpers import CLIP, GAS, LR, OPT_STEPS, reference
+from tests.support import recipe
+from tests.support.dist import run_ranks
+from tests.support.models import TinyLM, batches
+from tests.support.offload import train_run
+from tests.support.recipe import GAS, OPT_STEPS, reference, train
 
 OFFLOAD = {"device": "cpu", "pin_memory": True}
 
 
 def _offloaded(model: torch.nn.Module, data: list, stage: int, precision: str) -> tuple[list[float], dict, dict, dict]:
-    cfg = zeroray.ZeroConfig(
-        stage=stage,
-        precision=precision,
-        gradient_accumulation_steps=GAS,
-        gradient_clipping=CLIP,
-        sub_group_size=3000,  # several sub-groups: each one's weights go back while the next steps
-        comm={"reduce_bucket_size": 500, "allgather_bucket_size": 700},
-        offload_optimizer=OFFLOAD,
-    )
-    engine = zeroray.initialize(model, torch.optim.AdamW(param_groups(model), lr=LR), cfg)
-    losses = []
-    for x, y in data:
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
+    # Several sub-groups: each one's weights go back while the next steps.
+    cfg = recipe.config(stage, precision, sub_group_size=3000, offload_optimizer=OFFLOAD)
+    engine = zeroray.initialize(model, recipe.optimizer(model), cfg)
+    losses = train(engine, data)
     groups = sum(g.trainable for g in engine.groups)
     io = {**engine.optim.io_report(), "groups": groups}
     offload = engine.offload_report()
@@ -103,7 +92,7 @@ def _params_in_files(rank: int, world: int, path: str) -> dict:
             "params+nvme": {"offload_param": {"device": "nvme", "nvme_path": path},
                             "offload_optimizer": {"device": "nvme", "nvme_path": path}},
         }.items():
-            cfg = offload_config(3, precision, None, sub_group_size=3000, **extra)
+            cfg = recipe.config(3, precision, sub_group_size=3000, **extra)
             out[(precision, name)] = train_run(copy.deepcopy(init), data, cfg)
     return out
 

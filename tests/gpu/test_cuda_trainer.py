@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.models import TinyLM, batches
+from tests.support.models import TinyLM, batches
 
 ray = pytest.importorskip("ray")
 REPO = Path(__file__).resolve().parents[2]

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 # Imported once, in the fork server; a test's own module is imported in each process as its function arrives.
-_PRELOAD = ["torch", "torch.distributed", "zeroray.engine", "zeroray.models.gpt", "tests.dist_harness"]
+_PRELOAD = ["torch", "torch.distributed", "zeroray.engine", "zeroray.models.gpt", "tests.support.dist"]
 
 
 def free_port() -> int:

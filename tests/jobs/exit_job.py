@@ -1,9 +1,10 @@
 """One rank of a user's world-2 script, as torchrun would run it: join a gloo group, train a few
 steps at every stage (with an evaluation forward), then let the interpreter exit.
 
-``python tests/exit_job.py RANK WORLD STORE_FILE [--destroy]``; ``--destroy`` calls
-``dist.destroy_process_group()`` before exit, as the torch docs ask. Used by tests/test_exit.py and
-tests/exit_loop.py (python -m tests.exit_loop) to count launches that do not exit with 0.
+``python tests/jobs/exit_job.py RANK WORLD STORE_FILE [--destroy]``; ``--destroy`` calls
+``dist.destroy_process_group()`` before exit, as the torch docs ask. Launched by tests.support.jobs for
+tests/test_exit.py and tests/jobs/exit_loop.py (python -m tests.jobs.exit_loop), which count launches
+that do not exit with 0.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 import zeroray
-from tests.models import TinyLM, batches, param_groups
+from tests.support.models import TinyLM, batches, param_groups
+from tests.support.recipe import train
 
 
 def main(rank: int, world: int, store: str, destroy: bool) -> None:
@@ -24,9 +26,9 @@ def main(rank: int, world: int, store: str, destroy: bool) -> None:
         torch.manual_seed(0)
         model = TinyLM()
         engine = zeroray.initialize(model, torch.optim.AdamW(param_groups(model)), zeroray.ZeroConfig(stage=stage))
-        for x, y in batches(rank, 2):
-            engine.backward(engine(x, y))
-            engine.step()
+        data = batches(rank, 2)
+        train(engine, data)
+        x, y = data[-1]
         with torch.no_grad():
             model.eval()
             engine(x, y)

@@ -1,16 +1,51 @@
-"""A slow S3 store for tests: a loopback HTTP proxy in front of a real S3 endpoint (moto) that holds
-chosen requests for a while before it forwards them, as a slow network or an overloaded store does.
-The store's own semantics (conditional writes, errors) are the endpoint's; only the timing changes."""
+"""S3 for tests: a real endpoint on loopback (moto in server mode, spoken to over HTTP by s3fs), which
+conftest's session fixture ``s3`` starts, and a slow store: a loopback HTTP proxy in front of it that
+holds chosen requests for a while before it forwards them, as a slow network or an overloaded store
+does. The store's own semantics (conditional writes, errors) are the endpoint's; only the timing changes."""
 
 from __future__ import annotations
 
 import http.client
+import os
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 from urllib.parse import urlsplit
+
+from tests.support.dist import free_port
+
+SECRET = "zeroray-test-secret-never-written"  # tests look for it in everything a save writes
+
+
+@contextmanager
+def moto_bucket() -> Iterator[dict[str, Any]]:
+    """A moto server on a free loopback port with a fresh bucket, the AWS credentials in the environment
+    meanwhile. Yields {"bucket": the bucket's URL, "options": fsspec storage options for it}."""
+    import s3fs
+    from moto.server import ThreadedMotoServer
+
+    saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")}
+    os.environ.update(AWS_ACCESS_KEY_ID="zeroray-test", AWS_SECRET_ACCESS_KEY=SECRET, AWS_DEFAULT_REGION="us-east-1")
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    options = {"endpoint_url": f"http://127.0.0.1:{port}", "key": "zeroray-test", "secret": SECRET}
+    try:
+        bucket = f"zeroray-test-{uuid.uuid4().hex[:12]}"
+        s3fs.S3FileSystem(**options).mkdir(bucket)
+        yield {"bucket": f"s3://{bucket}", "options": options}
+    finally:
+        server.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
 
 _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length"}
 

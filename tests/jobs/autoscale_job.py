@@ -1,6 +1,6 @@
 """The elastic job of tests/test_deploy_autoscale.py, submitted with ``ray job submit``.
 
-    python tests/autoscale_job.py STORAGE_PATH STOP_FILE
+    python tests/jobs/autoscale_job.py STORAGE_PATH STOP_FILE
 
 A tiny GPT trains on 1 to 3 ranks (ZeRO-2, global batch 6, so every size in between is exact), checking
 every second whether to resize. It reports its world size with every step and trains until the test

@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 import zeroray
+from tests.support.recipe import train
 from zeroray.engine import ZeroEngine
 from zeroray.models import GPT, GPTConfig
 
@@ -48,13 +49,15 @@ def engine_for(model: nn.Module, stage: int) -> ZeroEngine:
     return zeroray.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), zeroray.ZeroConfig(stage=stage))
 
 
+def hf_loss(engine: ZeroEngine, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The loss of a transformers causal LM (it shifts the labels itself)."""
+    return engine(input_ids=x, labels=y).loss
+
+
 def hf_step(engine: ZeroEngine, vocab: int) -> float:
     """One training step of a transformers causal LM."""
     x = torch.randint(0, vocab, (2, 8), generator=torch.Generator().manual_seed(5))
-    loss = engine(input_ids=x, labels=x).loss
-    engine.backward(loss)
-    engine.step()
-    return loss.item()
+    return train(engine, [(x, x)], loss=hf_loss)[0]
 
 
 def write_sources(root: Path) -> dict[str, dict[str, Any]]:

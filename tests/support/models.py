@@ -59,16 +59,3 @@ def batches(rank: int, steps: int, batch: int = 3, seq: int = 9, vocab: int = 37
         for _ in range(steps)
     ]
 
-
-def train_gpt(engine: object, vocab_size: int, steps: int, seed: int = 1) -> list[float]:
-    """``steps`` optimizer steps of an engine wrapping zeroray's GPT, on random tokens (2 sequences
-    of 8, from ``seed``): the losses."""
-    g = torch.Generator().manual_seed(seed)
-    losses = []
-    for _ in range(steps):
-        tokens = torch.randint(vocab_size, (2, 9), generator=g)
-        _, loss = engine(tokens[:, :-1], tokens[:, 1:])
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return losses

@@ -3,9 +3,9 @@ reductions of every rank in flight; the survivors do what a rank actor does on a
 the group; the engine gave it up itself when its collective failed) and record how long after the
 death their own step failed.
 
-``python tests/peer_loss_job.py RANK WORLD STORE_FILE OUT_DIR STAGE TIMEOUT_S``. Writes
+``python tests/jobs/peer_loss_job.py RANK WORLD STORE_FILE OUT_DIR STAGE TIMEOUT_S``. Writes
 ``OUT_DIR/rank<R>.json``: ``{"failed_after_s": ..., "error": ...}``. Used by tests/test_engine_peer_loss.py;
-tests/test_elastic_reuse.py kills a rank actor the same way (``die_mid_backward``).
+tests/test_elastic_reuse.py kills a rank actor the same way (tests.support.jobs.die_mid_backward).
 """
 
 from __future__ import annotations
@@ -20,23 +20,12 @@ import torch
 import torch.distributed as dist
 
 import zeroray
-from tests.models import TinyLM, batches, param_groups
+from tests.support.jobs import die_mid_backward
+from tests.support.models import TinyLM, batches, param_groups
+from tests.support.recipe import train
 from zeroray.engine import import_before_group
 
 DYING = 1
-
-
-def die_mid_backward(model: TinyLM, engine: zeroray.ZeroEngine, marker: str) -> None:
-    """End this process in the backward of step 2, in a deep block's gradient hook: the bucket reductions of
-    the blocks after it are in flight on every rank. First writes the time of death into ``marker``."""
-
-    def die(_: torch.Tensor) -> None:
-        if engine.global_step == 2:
-            with open(marker, "w") as f:
-                f.write(repr(time.time()))
-            os._exit(1)
-
-    model.h[3].fc.weight.register_post_accumulate_grad_hook(die)
 
 
 def main(rank: int, world: int, store: str, out: str, stage: int, timeout_s: float) -> None:
@@ -52,9 +41,7 @@ def main(rank: int, world: int, store: str, out: str, stage: int, timeout_s: flo
     if rank == DYING:
         die_mid_backward(model, engine, os.path.join(out, "died"))
     try:
-        for x, y in batches(rank, 50):
-            engine.backward(engine(x, y))
-            engine.step()
+        train(engine, batches(rank, 50))
         result = {"failed_after_s": None, "error": None}
     except Exception as e:
         failed_at = time.time()

@@ -1,5 +1,5 @@
-"""The loop and configs the offload tests share: a TinyLM trained with AdamW over two param groups,
-gradient accumulation and clipping, through a zeroray engine."""
+"""What the offload tests share: a run of the recipe (tests.support.recipe) through an engine with its
+memory report, the NVMe offload section, and a peak-RSS probe in a fresh process."""
 
 from __future__ import annotations
 
@@ -11,31 +11,14 @@ import sys
 import torch
 
 import zeroray
-from tests.models import param_groups
-
-GAS, STEPS, CLIP, LR = 2, 3, 0.5, 1e-2
-
-
-def offload_config(stage: int, precision: str, offload: dict | None, **extra) -> zeroray.ZeroConfig:
-    return zeroray.ZeroConfig(
-        stage=stage,
-        precision=precision,
-        gradient_accumulation_steps=GAS,
-        gradient_clipping=CLIP,
-        comm={"reduce_bucket_size": 500, "allgather_bucket_size": 700},
-        **(offload or {}),
-        **extra,
-    )
+from tests.support.recipe import optimizer, train
 
 
 def train_run(model, data, cfg) -> tuple[list[float], dict[str, torch.Tensor], dict[str, int]]:
-    engine = zeroray.initialize(model, torch.optim.AdamW(param_groups(model), lr=LR), cfg)
-    losses = []
-    for x, y in data:
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
+    """``data`` through an engine of ``model`` with the recipe's optimizer and ``cfg``: the losses, the
+    final (full) weights and the memory report."""
+    engine = zeroray.initialize(model, optimizer(model), cfg)
+    losses = train(engine, data)
     state = engine.full_state_dict()
     mem = engine.memory_report()
     engine.close()

@@ -1,5 +1,6 @@
-"""Helpers shared by the checkpoint tests: a small engine, training steps, and exact state snapshots
-(weights, every rank's optimizer pieces, scalars, buffers) to compare across a save and a load."""
+"""Helpers shared by the checkpoint tests: a small engine (the recipe's variant without accumulation) and
+exact state snapshots (weights, every rank's optimizer pieces, scalars, buffers) to compare across a
+save and a load. The tests train it with tests.support.recipe's ``train``."""
 
 from __future__ import annotations
 
@@ -9,35 +10,25 @@ from typing import Any
 import torch
 
 import zeroray
-from tests.models import TinyLM, param_groups
+from tests.support.models import TinyLM
+from tests.support.recipe import CLIP, optimizer
 from zeroray.engine import ZeroEngine, layout
-
-STEPS = 3  # optimizer steps before the first save
 
 
 def make_engine(stage: int, seed: int = 0, device: str | torch.device = "cpu", process_group: Any = None,
                 **model_kw: Any) -> ZeroEngine:
-    """TinyLM on ``device`` with AdamW over two param groups, clipping and a StepLR schedule, on
-    ``process_group`` (default: WORLD)."""
+    """TinyLM on ``device`` with the recipe's AdamW over two param groups and clipping, no accumulation, and
+    a StepLR schedule, on ``process_group`` (default: WORLD)."""
     torch.manual_seed(seed)
     model = TinyLM(**model_kw).to(device)
-    cfg = zeroray.ZeroConfig(stage=stage, comm={"reduce_bucket_size": 500}, gradient_clipping=0.5)
+    cfg = zeroray.ZeroConfig(stage=stage, comm={"reduce_bucket_size": 500}, gradient_clipping=CLIP)
     return zeroray.initialize(
         model,
-        torch.optim.AdamW(param_groups(model), lr=1e-2),
+        optimizer(model),
         cfg,
         process_group=process_group,
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.9),
     )
-
-
-def train(engine: ZeroEngine, data: list) -> float:
-    loss = torch.tensor(0.0)
-    for x, y in data:
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-    return loss.item()
 
 
 def snapshot(engine: ZeroEngine) -> dict[str, Any]:

@@ -1,21 +1,25 @@
-"""What the deployment files must agree on, shared by the KubeRay, launcher and security tests."""
+"""What the deployment files must agree on, shared by the KubeRay, launcher and security tests, and the
+teardown of a test's own local Ray cluster (the autoscaling and security tests), found by a marker."""
 
 from __future__ import annotations
 
 import copy
 import json
 import os
+import signal
 import stat
 import subprocess
 import sys
+import time
 import uuid
 from functools import cache
 from pathlib import Path
 from typing import Any
 
+import psutil
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 KUBERAY = ROOT / "cluster" / "kuberay"
 LAUNCHER_YAMLS = sorted((ROOT / "cluster").glob("*.yaml"))
 RAY = Path(sys.executable).parent / "ray"
@@ -25,6 +29,7 @@ HEALTH_CHECK = {"RAY_health_check_period_ms": "5000", "RAY_health_check_timeout_
                 "RAY_health_check_failure_threshold": "6"}
 NVME_PATH = "/mnt/nvme/zeroray"  # where the worker nodes' NVMe is mounted, for offload_*.nvme_path
 STORAGE_SECRET = "zeroray-storage"  # the object-storage credentials (cluster/kuberay/storage-secret.yaml)
+MARKER = "ZERORAY_DEPLOY_TEST_CLUSTER"  # in the environment of a test cluster's processes: its token
 
 
 def manifests() -> list[tuple[str, dict[str, Any]]]:
@@ -99,3 +104,47 @@ def flag(argv: list[str], name: str) -> str | None:
         if arg == f"--{name}" and i + 1 < len(argv):
             return argv[i + 1]
     return None
+
+
+# A local cluster a test started: its processes, and their end.
+def cluster_processes(token: str, temp_dir: str) -> list[psutil.Process]:
+    """Every live process of this cluster: its environment carries the marker, or it writes under the
+    cluster's temp dir (each Ray process sends its output to the session's log files there). Both,
+    because Ray's renamed processes (``ray::DashboardAgent``, ``ray::IDLE``) overwrite the memory that
+    /proc shows as their environment."""
+    prefix = temp_dir.rstrip("/") + "/"
+    found = []
+    for proc in psutil.process_iter():
+        if proc.pid == os.getpid():
+            continue
+        try:
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+            ours = proc.environ().get(MARKER) == token or any(
+                prefix in arg for arg in proc.cmdline()) or any(
+                os.readlink(f"/proc/{proc.pid}/fd/{fd}").startswith(prefix)
+                for fd in os.listdir(f"/proc/{proc.pid}/fd"))
+        except (psutil.Error, OSError):
+            continue
+        if ours:
+            found.append(proc)
+    return found
+
+
+def end_processes(token: str, temp_dir: str, grace_s: float = 10.0, timeout_s: float = 60.0) -> None:
+    """SIGTERM each process of the cluster, SIGKILL what still runs ``grace_s`` later; again for any
+    process started meanwhile, until none is left or ``timeout_s`` has passed."""
+    deadline = time.monotonic() + timeout_s
+    first_seen: dict[int, float] = {}
+    while time.monotonic() < deadline:
+        procs = cluster_processes(token, temp_dir)
+        if not procs:
+            return
+        now = time.monotonic()
+        for p in procs:
+            late = now - first_seen.setdefault(p.pid, now) >= grace_s
+            try:
+                p.send_signal(signal.SIGKILL if late else signal.SIGTERM)
+            except psutil.Error:
+                pass
+        psutil.wait_procs(procs, timeout=1.0)
