@@ -13,8 +13,9 @@ from zeroray.config import ZeroConfig
 from zeroray.config.load import load_config
 from zeroray.train.config import ScalingConfig
 from zeroray.train.driver.scaling_policy import ElasticScalingPolicy, fitting_workers
+from zeroray.train.run_spec import RankInfo
 from zeroray.train.sizing import BatchPlan, BatchSizes
-from zeroray.train.worker.context import RankInfo, TrainContext, with_batch
+from zeroray.train.worker.context import TrainContext, with_batch
 
 
 def _plan(zero: dict, **scaling) -> BatchPlan:

@@ -116,8 +116,8 @@ def test_release_stops_rank_0s_commit_from_waiting_for_a_dead_peer(tmp_path):
     from zeroray.storage import open_url
     from zeroray.train.config import CheckpointConfig
     from zeroray.train.group.rank_actor import _join_upload
-    from zeroray.train.run_spec import RunSpec
-    from zeroray.train.worker.context import RankInfo, Session, TrainContext
+    from zeroray.train.run_spec import RankInfo, RunSpec
+    from zeroray.train.worker.context import Session, TrainContext
 
     run = tmp_path / "run"
     ckpt = run / "checkpoint_10"

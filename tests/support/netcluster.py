@@ -39,6 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PREFIX = "zrn"  # every name this module makes starts with it: zrn-<pid>-<tag>
 _NAME = re.compile(rf"^{PREFIX}-(\d+)-[0-9a-f]{{4}}(?:-|$)")
@@ -62,16 +64,6 @@ def _check(argv: Sequence[str], timeout_s: float = 30.0, env: Mapping[str, str] 
     if done.returncode != 0:
         raise NetClusterError(f"`{' '.join(argv)}` failed ({done.returncode}): {(done.stderr or done.stdout).strip()[-2000:]}")
     return done
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 @functools.cache
@@ -148,7 +140,7 @@ def remove_stale() -> list[str]:
     for line in _check(["ip", "netns", "list"]).stdout.splitlines():
         name = line.split()[0] if line.strip() else ""
         owner = _NAME.match(name)
-        if owner and not _alive(int(owner.group(1))):
+        if owner and not psutil.pid_exists(int(owner.group(1))):
             try:
                 _delete_netns(name)
             except NetClusterError:
@@ -158,7 +150,7 @@ def remove_stale() -> list[str]:
             removed.append(name)
     for path in Path("/tmp").glob(f"{PREFIX}-*"):
         owner = _NAME.match(path.name)
-        if owner and path.is_dir() and not _alive(int(owner.group(1))):
+        if owner and path.is_dir() and not psutil.pid_exists(int(owner.group(1))):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(str(path))
     return removed

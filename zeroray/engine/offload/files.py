@@ -24,6 +24,7 @@ import uuid
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import psutil
 import torch
 
 from zeroray.engine.layout import SWAP_ALIGN as ALIGN  # O_DIRECT: offsets, lengths and memory page-aligned
@@ -44,16 +45,6 @@ class AlignedBuffer:
     def close(self) -> None:
         """Drop this object's references; the memory goes when no tensor views it any more."""
         del self.view, self.tensor, self._map
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class SwapDir:
@@ -195,7 +186,7 @@ def remove_stale(root: str) -> list[str]:
         if len(parts) != 2 or parts[0] != _HOST:
             continue
         pid = parts[1].split("-", 1)[0]
-        if pid.isdigit() and not _pid_alive(int(pid)):
+        if pid.isdigit() and not psutil.pid_exists(int(pid)):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
             removed.append(name)
     return removed
