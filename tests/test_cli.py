@@ -94,8 +94,13 @@ def test_ls_of_s3_without_credentials(s3: dict[str, Any], monkeypatch: pytest.Mo
     monkeypatch.setenv("AWS_CONFIG_FILE", missing)
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     endpoint = s3["options"]["endpoint_url"]
-    assert main(["ls", f"{s3['bucket']}/run", "-o", f"endpoint_url={endpoint}"]) == 2
-    _one_line_error(capsys, "NoCredentialsError")
+    import s3fs
+
+    try:
+        assert main(["ls", f"{s3['bucket']}/run", "-o", f"endpoint_url={endpoint}"]) == 2
+        _one_line_error(capsys, "NoCredentialsError")
+    finally:  # fsspec caches filesystems by their arguments: later tests must not get this credential-less one
+        s3fs.S3FileSystem.clear_instance_cache()
 
 
 def test_ls_checks_rank_files_without_reading(ckpt: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

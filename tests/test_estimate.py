@@ -280,3 +280,34 @@ def test_cpu_offload_on_a_cpu_only_machine_is_no_offload(offloaded: list[dict], 
         est = estimate(cpu["params"], 2, stage, precision)
         for key in ("params", "grads", "optimizer"):
             assert rep[key] == pytest.approx(est[key], rel=0.05), (key, rep, est)
+
+
+@pytest.mark.parametrize("offload", ["none", "cpu", "nvme"])
+def test_hybrid_sharding_is_the_flat_formula_over_the_shard_group(offload: str) -> None:
+    """Shard groups of k ranks: each rank holds what a flat run at world k holds (N -> k)."""
+    hybrid = estimate(7e9, 16, None, "bf16", offload, shard_group_size=8)
+    assert set(hybrid) == {1, 2, 3}
+    flat = estimate(7e9, 8, None, "bf16", offload)
+    assert hybrid == {s: v for s, v in flat.items() if s > 0}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"shard_group_size": 5}, "shard_group_size 5 does not divide the world size 16"),
+        ({"shard_group_size": 0}, "shard_group_size must be an integer >= 1, got 0"),
+        ({"shard_group_size": 8, "stage": 0}, "applies to stages 1-3"),
+    ],
+)
+def test_bad_hybrid_estimate(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        estimate(7e9, 16, **kwargs)
+
+
+def test_cli_hybrid(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["estimate", "--params", "7B", "--world-size", "16", "--shard-group-size", "8", "--stage", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "world size 16 (shards over groups of 8)" in out
+    assert main(["estimate", "--params", "7B", "--world-size", "8", "--stage", "3"]) == 0
+    flat = capsys.readouterr().out
+    assert out.splitlines()[-1] == flat.splitlines()[-1]

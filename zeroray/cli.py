@@ -140,6 +140,13 @@ def _add_estimate(sub: argparse._SubParsersAction) -> None:
         help="move the stage-3 parameter shards off the device (stage 3 only)",
     )
     p.add_argument(
+        "--shard-group-size",
+        type=int_at_least(1),
+        default=None,
+        help="hybrid sharding (stages 1-3): shard over groups of this many ranks, replicate across them "
+        "(e.g. the GPUs of one node; DeepSpeed's mics_shard_size)",
+    )
+    p.add_argument(
         "--largest-unit",
         type=whole_count,
         default=0,
@@ -176,6 +183,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
             args.params, args.world_size, args.stage, args.precision, args.offload, args.optimizer_bytes,
             sub_group_size=args.sub_group_size, buffer_count=args.buffer_count,
             offload_param=args.offload_param, largest_unit=args.largest_unit, param_buffer_count=args.buffer_count,
+            shard_group_size=args.shard_group_size,
         )
     except ValueError as e:
         return _fail(str(e))
@@ -187,7 +195,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     if args.offload == "nvme":
         settings = f" (sub_group_size {args.sub_group_size:.4g}, buffer_count {args.buffer_count})"
     print(
-        f"Model states per rank: {args.params:.4g} parameters, world size {args.world_size}, "
+        f"Model states per rank: {args.params:.4g} parameters, world size {args.world_size}"
+        f"{'' if args.shard_group_size is None else f' (shards over groups of {args.shard_group_size})'}, "
         f"{args.precision}, offload {args.offload}{settings}, offload_param {args.offload_param} (GiB)"
     )
     widths = [max(12, len(heads.get(c, c))) for c in cols]

@@ -102,6 +102,7 @@ def estimate(
     offload_param: Offload = "none",
     largest_unit: int = 0,
     param_buffer_count: int = BUFFER_COUNT,
+    shard_group_size: int | None = None,
 ) -> dict:
     """Per-rank model-state bytes, so a run can be sized before it is launched.
 
@@ -114,6 +115,8 @@ def estimate(
     ``sub_group_size`` and ``buffer_count``: the NVMe offload settings (ZeroConfig's keys and
     defaults), which size the swap buffers in host memory. ``offload_param`` (stage 3), with
     ``largest_unit`` and ``param_buffer_count`` for its NVMe read buffers: see the module docstring.
+    ``shard_group_size`` k (hybrid sharding, stages 1-3): the states are sharded over k ranks, not N, so
+    every formula above holds with N -> k.
     """
     numel = round(params)
     if numel < 1:
@@ -141,7 +144,15 @@ def estimate(
                 f"offload {offload!r} needs a sharded optimizer (stage 1, 2 or 3); stage 0 keeps it whole on every rank"
             )
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
-    args = (numel, world_size)
+    if shard_group_size is not None:
+        if isinstance(shard_group_size, bool) or not isinstance(shard_group_size, int) or shard_group_size < 1:
+            raise ValueError(f"shard_group_size must be an integer >= 1, got {shard_group_size!r}")
+        if world_size % shard_group_size:
+            raise ValueError(f"shard_group_size {shard_group_size} does not divide the world size {world_size}")
+        if stage == 0:
+            raise ValueError("hybrid sharding (shard_group_size) applies to stages 1-3; stage 0 replicates every state")
+        stages = tuple(s for s in stages if s > 0)
+    args = (numel, shard_group_size or world_size)
     rest = (p, g, k, offload, precision != "fp32", sub_group_size, buffer_count, offload_param, largest_unit,
             param_buffer_count)
     if stage is None:

@@ -6,7 +6,8 @@ A save, on every rank:
    went well;
 2. pick its sections: its slice of every flat group ("weight" and each optimizer state, fp32), its
    RNG state, and on rank 0 the model's persistent buffers. At stage 0 every rank holds every group,
-   so group ``i`` is written only by rank ``i % world_size``. A section is a producer of its bytes
+   so group ``i`` is written only by rank ``i % world_size``; under hybrid sharding the shard groups
+   hold copies of each shard, and group ``i``'s is written by the shard group ``i % copies``. A section is a producer of its bytes
    (:meth:`ZeroEngine.stream_shard_state`): the live tensors when the states are in memory, bounded
    reads of the swap files through the engine's swap buffers with NVMe offload;
 3. write ``rank-NNNNN.bin`` through fsspec, hashing 4 MiB chunks while writing, then its marker;
@@ -146,13 +147,12 @@ def _dtype_name(t: torch.Tensor) -> str:
 
 def _plan(engine: ZeroEngine) -> tuple[list[GroupEntry], list[_Section]]:
     """The rank-independent group table and this rank's sections, laid out in file order."""
-    rank, world = engine.rank, engine.world_size
+    rank = engine.rank
     groups, sections = [], []
     for i, g in enumerate(engine.stream_shard_state()):
         slots = [SlotEntry(s.name, list(s.shape), s.offset) for s in g.slots]
         groups.append(GroupEntry(g.name, g.numel, g.shard_world, g.param_group, "float32", sorted(g.keys), slots))
-        writer = i % world if g.shard_world == 1 else rank
-        if writer != rank:
+        if i % g.copies != g.copy:  # another rank writes this copy of the shard
             continue
         for key in sorted(g.keys):
             entry = SectionEntry("shard", "float32", group=g.name, key=key, shard=g.shard_rank)

@@ -50,6 +50,12 @@ def _int(v: Any) -> Any:
     return int(v) if isinstance(v, float) and v.is_integer() else v
 
 
+def _mics(v: Any) -> Any:
+    """``mics_shard_size``: DeepSpeed's -1 (and 0) mean off."""
+    v = _int(v)
+    return None if _same(v, -1) or _same(v, 0) else v
+
+
 def _number(v: Any) -> Any:
     return float(v) if isinstance(v, int) and not isinstance(v, bool) else v
 
@@ -147,6 +153,9 @@ TABLE: dict[str, Entry] = {
     "zero_optimization.reduce_scatter": Field("comm.reduce_scatter"),
     "zero_optimization.all_gather_by_broadcast": Field("comm.all_gather_by_broadcast", note="zeroray's own"),
     "zero_optimization.zeroray_units": Field("units", note="zeroray's own"),
+    "zero_optimization.mics_shard_size": Field(
+        "shard_group_size", _mics, note="hybrid sharding at stages 1-3; -1 = off; \"auto\" = the ranks of a node"
+    ),
     "zero_optimization.zeroray_trim_host_heap": Field("trim_host_heap", note="zeroray's own"),
     "zero_optimization.offload_optimizer.device": Field("offload_optimizer.device"),
     "zero_optimization.offload_optimizer.nvme_path": Field("offload_optimizer.nvme_path"),
@@ -278,8 +287,9 @@ TABLE: dict[str, Entry] = {
     "zero_optimization.zero_quantized_gradients": Refused(_NOT_ZEROPP),
     "zero_optimization.zero_hpz_partition_size": Refused(_NOT_ZEROPP, unless=(0, 1, None)),
     "zero_optimization.zeropp_loco_param": Refused(_NOT_ZEROPP, unless=(None,)),
-    "zero_optimization.mics_shard_size": Refused("MiCS sub-group sharding is not implemented", unless=(-1, 0, None)),
-    "zero_optimization.mics_hierarchical_params_gather": Refused("MiCS is not implemented"),
+    "zero_optimization.mics_hierarchical_params_gather": Refused(
+        "zeroray's shard groups stay inside a node (shard_group_size), so their gathers need no hierarchy"
+    ),
     "zero_optimization.legacy_stage1": Refused("only zeroray's own stage 1 exists"),
     "zero_optimization.zenflow": Refused("ZenFlow is not implemented", unless=(None,)),
     "zero_optimization.offload_optimizer.ratio": Refused("partial offload is not implemented", unless=(1, None)),

@@ -252,6 +252,10 @@ class ZeroConfig:
     # Stage 3 on CPU: return the C heap's free pages to the OS after each unit's backward (glibc's
     # malloc_trim; engine/heap_trim.py). Lower peak RSS for more step time, so off by default.
     trim_host_heap: bool = False
+    # Hybrid sharding (MiCS, FSDP2's HSDP; DeepSpeed's mics_shard_size): the states are sharded over groups
+    # of this many consecutive ranks and replicated across the groups. None: over all ranks. "auto":
+    # the ranks of one node (ZeroTrainer resolves it from its placement group).
+    shard_group_size: int | str | None = None
 
     def __post_init__(self) -> None:
         problems: list[tuple[str, str]] = []
@@ -308,6 +312,7 @@ class ZeroConfig:
                 yield name, f"must be an OffloadConfig or a dict, got {sub!r}"
         yield from _positive_int("sub_group_size", self.sub_group_size, "a positive number of elements")
         yield from _flag("trim_host_heap", self.trim_host_heap)
+        yield from self._hybrid_problems()
         yield from self._offload_problems()
         if self.units is not None and (
             not isinstance(self.units, tuple) or not all(isinstance(u, str) for u in self.units)
@@ -317,6 +322,20 @@ class ZeroConfig:
             yield from optimizer_spec_problems(self.optimizer)
         if self.scheduler is not None:
             yield from scheduler_spec_problems(self.scheduler)
+
+    def _hybrid_problems(self) -> Problems:
+        k = self.shard_group_size
+        if k is None:
+            return
+        if k != "auto":
+            if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+                yield "shard_group_size", f"must be a positive integer, 'auto' or None, got {k!r}"
+                return
+        if self.stage == 0:
+            yield "shard_group_size", (
+                "hybrid sharding applies to stages 1-3; stage 0 replicates every state already (set stage, or "
+                "leave shard_group_size out)"
+            )
 
     def _offload_problems(self) -> Problems:
         opt, par = self.offload_optimizer, self.offload_param

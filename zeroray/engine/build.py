@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import weakref
 from collections import Counter
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +47,7 @@ from zeroray.engine.sharded_optim import (
     template_optimizer,
 )
 from zeroray.engine.shared_grads import SharedGradSum
+from zeroray.engine.topology import Topology
 from zeroray.engine.unit import Unit
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -66,7 +67,8 @@ class EngineParts:
     compute_dtype: torch.dtype
     reduce_dtype: torch.dtype
     master_dtype: torch.dtype
-    comm: Comm
+    comm: Comm  # every rank (control messages, checkpoints)
+    topology: Topology  # the shard group and replicas the states' collectives run on
     loss_scaler: LossScaler
     phases: PhaseTimer  # forward / backward / optimizer / comm wait, never syncs
     host_device: torch.device
@@ -103,6 +105,8 @@ def build_engine(
     init_fn: InitFn | None,
     device: str | torch.device | None,
     loaded_keys: Collection[str],
+    mesh: object | None = None,
+    nodes: Sequence[object] | None = None,
 ) -> EngineParts:
     """Set up an engine over ``model`` (arguments as :func:`zeroray.initialize`'s)."""
     # ---- validation: everything that can be wrong fails here, before any communication
@@ -141,7 +145,11 @@ def build_engine(
     compute_dtype = _DTYPES[precision.param_dtype]
     reduce_dtype = _DTYPES[precision.reduce_dtype or precision.param_dtype]
     master_dtype = _DTYPES[precision.master_dtype]
-    comm = Comm(process_group, config.comm.reduce_scatter, config.comm.all_gather_by_broadcast)
+    if config.stage == 0 and mesh is not None:
+        raise ValueError("a mesh (hybrid sharding) applies to stages 1-3; stage 0 replicates every state already")
+    topology = Topology.build(process_group, config.comm, shard_group_size=config.shard_group_size, mesh=mesh,
+                              nodes=nodes)
+    comm = topology.world
     loss_scaler = LossScaler(config)
     phases = PhaseTimer(device)
     host_device = torch.device("cpu")
@@ -155,7 +163,7 @@ def build_engine(
 
     # ---- layout (stages 0-2: a meta model is first materialized whole, the same on every rank)
     units, groups, unit_groups, gather_pool, gather_check = _lay_out(
-        model, config, comm, device, group_of, compute_dtype, reduce_dtype, meta_init, start
+        model, config, topology, device, group_of, compute_dtype, reduce_dtype, meta_init, start
     )
     _sync_buffers(model, comm, meta, precision.buffer_dtype)
 
@@ -196,11 +204,12 @@ def build_engine(
     # Tied parameters (reached under several names): their gradients are summed in place.
     uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     shared_grads = SharedGradSum(p for p in model.parameters() if p.requires_grad and uses[id(p)] > 1)
-    setup_comm = comm.report()
-    comm.reset()  # the report counts training traffic, not set-up
+    setup_comm = topology.report()
+    topology.reset()  # the report counts training traffic, not set-up
     return EngineParts(
         config=config, device=device, initialized_names=meta_init.initialized if meta_init is not None else [],
         compute_dtype=compute_dtype, reduce_dtype=reduce_dtype, master_dtype=master_dtype, comm=comm,
+        topology=topology,
         loss_scaler=loss_scaler, phases=phases, host_device=host_device, shard_device=shard_device, units=units,
         groups=groups, gather_pool=gather_pool, gather_check=gather_check, optim=optim, param_files=param_files,
         template_hook=template_hook, lr_scheduler=scheduler_of_lr, scheduler=scheduler, guard=guard,
@@ -245,7 +254,7 @@ def _swap_bytes(model: nn.Module, template: torch.optim.Optimizer, world: int, s
 def _lay_out(
     model: nn.Module,
     config: ZeroConfig,
-    comm: Comm,
+    topology: Topology,
     device: torch.device,
     group_of: dict[int, int | None],
     compute_dtype: torch.dtype,
@@ -266,7 +275,7 @@ def _lay_out(
         plans = unit_plan.plan_buckets(model, group_of, config.comm.reduce_bucket_size)
     groups: list[FlatGroup] = []
     gather_pool = GatherPool()
-    gather_check = GatherCheck(comm) if sharding.shards_params else None
+    gather_check = GatherCheck(topology.shard) if sharding.shards_params else None
     unit_groups: dict[int | None, list[FlatGroup]] = {}
     pending: list[FlatGroup] = []  # stage 3: groups with meta parameters, installed once initialized
     for plan in plans:
@@ -275,7 +284,7 @@ def _lay_out(
         g = FlatGroup(
             plan.name,
             plan.params,
-            comm,
+            topology.shard,
             sharding=sharding,
             compute_dtype=dtype,
             reduce_dtype=reduce_dtype if floating else dtype,
@@ -284,6 +293,8 @@ def _lay_out(
             device=device,
             pool=gather_pool,
             check=gather_check,
+            replicas=topology.replicas,
+            world=topology.world,
         )
         if g.has_meta:
             pending.append(g)

@@ -126,6 +126,39 @@ class Handle:
             self._then()
 
 
+class Chain(Handle):
+    """A collective issued once another finished: hybrid sharding reduces a gradient inside its shard
+    group, then its shard across the replicas. ``ready()`` issues the second as soon as the first is
+    done, so polling keeps both moving while backward runs on."""
+
+    def __init__(self, first: Handle, second: Callable[[], Handle]):
+        super().__init__()
+        self._first = first
+        self._issue_second = second
+        self._second: Handle | None = None
+
+    def _start_second(self) -> Handle:
+        if self._second is None:
+            self._first.wait()
+            self._second = self._issue_second()
+        return self._second
+
+    def ready(self) -> bool:
+        if self.done:
+            return True
+        if self._second is None and not self._first.ready():
+            return False
+        return self._start_second().ready()
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        self._start_second().wait()
+        self.done = True
+        if self._then is not None:
+            self._then()
+
+
 class InFlight:
     """Outstanding collectives, waited oldest first once they hold more than ``limit`` elements
     (one may always be in flight): bounds the temporaries that async collectives keep alive."""

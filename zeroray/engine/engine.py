@@ -17,7 +17,7 @@ import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,9 @@ from zeroray.engine.materialize import InitFn
 from zeroray.engine.phase_timer import StepTimes
 from zeroray.engine.shard_state import GroupShard, GroupSource, ShardRange, ShardStateCopy
 from zeroray.engine.sharded_optim import GradShards, OptimizerArg
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 class ZeroEngine:
@@ -47,9 +50,11 @@ class ZeroEngine:
         init_fn: InitFn | None = None,
         device: str | torch.device | None = None,
         loaded_keys: Collection[str] = (),
+        mesh: DeviceMesh | None = None,
+        nodes: Sequence[object] | None = None,
     ):
         parts = build_engine(model, optimizer, config, process_group, lr_scheduler, init_fn=init_fn, device=device,
-                             loaded_keys=loaded_keys)
+                             loaded_keys=loaded_keys, mesh=mesh, nodes=nodes)
         self.module = model
         self.config = parts.config
         self.device = parts.device
@@ -60,7 +65,8 @@ class ZeroEngine:
         self.reduce_dtype = parts.reduce_dtype
         self.master_dtype = parts.master_dtype
         self.gradient_accumulation_steps = self.config.gradient_accumulation_steps
-        self.comm = parts.comm
+        self.comm = parts.comm  # every rank
+        self.topology = parts.topology  # the shard group and the replicas
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         self.global_step = 0  # optimizer steps taken (skipped fp16 steps included)
         self.micro_step = 0
@@ -226,8 +232,8 @@ class ZeroEngine:
         sq = torch.zeros(1, dtype=torch.float32, device=self.device)
         for t in grads.each():
             sq += t.pow(2).sum().to(self.device)
-        if self.sharding.shards_optimizer:  # each rank holds a shard of the gradients
-            self.comm.sum_scalar(sq)
+        if self.sharding.shards_optimizer:  # each rank of a shard group holds a shard of the gradients
+            self.topology.shard.sum_scalar(sq)
         norm = sq.sqrt()
         self._grad_norm = norm
         coef = torch.clamp(clip / (norm + 1e-6), max=1.0)
@@ -243,7 +249,7 @@ class ZeroEngine:
                 flat = mine
             else:
                 flat = torch.empty(g.padded, dtype=mine.dtype, device=mine.device)
-                self.comm.all_gather(flat, mine).wait()
+                g.comm.all_gather(flat, mine).wait()
             for slot in g.slots:
                 out[slot.name] = flat[slot.offset : slot.end].view(slot.shape).detach().cpu().clone()
         return {n: out[n] for n, _ in self.module.named_parameters()}
@@ -297,7 +303,7 @@ class ZeroEngine:
             keys = ("weight", *self.optim.state_keys(g)) if g.trainable else ("weight",)
             out.append(GroupSource(
                 g.name, g.slots, g.numel, g.shard_world, g.shard_rank, g.lo, g.hi, g.param_group, keys,
-                self.optim.in_memory or not g.trainable, functools.partial(self.optim.read, g),
+                self.optim.in_memory or not g.trainable, functools.partial(self.optim.read, g), g.copy, g.copies,
             ))
         return out
 
@@ -472,9 +478,11 @@ class ZeroEngine:
         by read-ahead or on demand); empty dicts where nothing is offloaded."""
         return {"optimizer": self.optim.io_report(), "params": self._param_files.io_report() if self._param_files else {}}
 
-    def comm_report(self) -> dict[str, int]:
-        """Cumulative bytes per collective kind since set-up or the last reset."""
-        return self.comm.report()
+    def comm_report(self, by_scope: bool = False) -> dict[str, int]:
+        """Cumulative bytes per collective kind since set-up or the last reset. ``by_scope`` (when the
+        engine was given each rank's node): keys ``"intra_node:<kind>"`` for collectives among ranks of one
+        node, ``"inter_node:<kind>"`` for those that span nodes."""
+        return self.topology.report(by_scope)
 
     def setup_comm_report(self) -> dict[str, int]:
         """Bytes per collective kind that set-up moved (rank 0's weights and buffers broadcast to
@@ -482,7 +490,7 @@ class ZeroEngine:
         return dict(self._setup_comm)
 
     def reset_comm_report(self) -> None:
-        self.comm.reset()
+        self.topology.reset()
 
     @contextlib.contextmanager
     def gathered_parameters(
@@ -534,14 +542,14 @@ class ZeroEngine:
         dropped, the peer's collective fails as soon as this rank leaves the group. The engine does this
         itself when one of its collectives fails; call it when the loop failed elsewhere. Afterwards any
         collective raises ``GroupAborted`` naming ``reason``; :meth:`close` still removes the hooks."""
-        self.comm.abort(reason)
+        self.topology.abort(reason)
 
     def close(self) -> None:
         """Wait for any collective still in flight, then remove every hook zeroray put on the model
         and on the user's optimizer. Stage 3 (collective): the parameters get their full values back
         and stay gathered, so the model can be used, saved or wrapped again (not after :meth:`abort`:
         each rank keeps only its shard)."""
-        self.comm.close()
+        self.topology.close()
         self.reducer.remove()
         if self.scheduler is not None:
             self.scheduler.remove()
@@ -572,6 +580,8 @@ def initialize(
     init_fn: InitFn | None = None,
     device: str | torch.device | None = None,
     loaded_keys: Collection[str] = (),
+    mesh: DeviceMesh | None = None,
+    nodes: Sequence[object] | None = None,
 ) -> ZeroEngine:
     """Wrap ``model`` and ``optimizer`` in a ZeRO engine on ``process_group`` (default: WORLD).
 
@@ -592,6 +602,11 @@ def initialize(
     ``zeroray.pretrained_keys(model, source)`` before ``zeroray.load_pretrained``): they are not
     initialized, and a module whose meta tensors are all among them needs no initializer, as Hugging
     Face skips the keys it loads; ``engine.initialized_names`` lists what was initialized.
+
+    Hybrid sharding (stages 1-3): ``config.shard_group_size`` k shards the states over k consecutive ranks
+    and replicates them across the N/k groups (DeepSpeed's ``mics_shard_size``); or pass ``mesh``, a 2-D
+    ``DeviceMesh`` with dims ``("replicate", "shard")`` as FSDP2's HSDP takes. ``nodes``: the node of each
+    rank (any labels), so :meth:`ZeroEngine.comm_report` can tell intra-node from inter-node bytes.
     """
     return ZeroEngine(model, optimizer, config, process_group, lr_scheduler, init_fn=init_fn, device=device,
-                      loaded_keys=loaded_keys)
+                      loaded_keys=loaded_keys, mesh=mesh, nodes=nodes)

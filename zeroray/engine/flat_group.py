@@ -35,7 +35,7 @@ from torch import nn
 
 from zeroray.config import Sharding
 from zeroray.engine import layout
-from zeroray.engine.comm import Comm, Handle
+from zeroray.engine.comm import Chain, Comm, Handle
 from zeroray.engine.gather_pool import GatherPool
 from zeroray.engine.grad_buffer import GradBuffer
 
@@ -85,9 +85,14 @@ class FlatGroup:
         device: torch.device,
         pool: GatherPool,
         check: Callable[[str], None] | None = None,
+        replicas: Comm | None = None,
+        world: Comm | None = None,
     ):
         self.name = name
-        self.comm = comm
+        self.comm = comm  # the shard group: gathers and reductions (every rank unless hybrid)
+        self.replicas = replicas  # hybrid: the ranks holding the same shard in the other shard groups
+        self.world = comm if world is None else world  # every rank: the start-up broadcast
+        self.world_size = comm.world_size * (1 if replicas is None else replicas.world_size)
         self.pool = pool  # where gathered memory comes from and goes back to (sharded params)
         self.check = check  # called with the group's name before each gather (a GatherCheck)
         self.sharding = sharding
@@ -101,6 +106,13 @@ class FlatGroup:
         sharded = sharding.shards_optimizer
         self.shard_world = comm.world_size if sharded else 1
         self.shard_rank = comm.rank if sharded else 0
+        # Which of the identical copies of this shard this rank holds, of how many (see GroupSource).
+        if not sharded:
+            self.copy, self.copies = self.world.rank, self.world.world_size
+        elif replicas is not None:
+            self.copy, self.copies = replicas.rank, replicas.world_size
+        else:
+            self.copy, self.copies = 0, 1
         self.padded = layout.padded_numel(self.numel, self.shard_world)
         self.lo, self.hi = layout.shard_range(self.numel, self.shard_world, self.shard_rank)
         self.shard_numel = self.hi - self.lo
@@ -143,7 +155,7 @@ class FlatGroup:
     # ------------------------------------------------------------------ set-up (collective)
     def sync_from_rank0(self) -> None:
         """All ranks start from rank 0's values, as DDP does at construction."""
-        self.comm.broadcast(self.full, src=0)
+        self.world.broadcast(self.full, src=0)
 
     def write(self, param: nn.Parameter) -> None:
         """Take the (materialized, initialized) value of ``param``, a parameter of this group that was
@@ -318,27 +330,35 @@ class FlatGroup:
         return GradBuffer(data, self.slots, self.numel)
 
     def reduce(self, buf: GradBuffer, async_op: bool) -> Handle:
-        """Average ``buf`` across ranks into this rank's gradient shard (accumulating)."""
+        """Average ``buf`` across ranks into this rank's gradient shard (accumulating). Hybrid: reduced
+        inside the shard group, then this rank's shard across the replicas."""
         persistent = buf is self.grads
         if persistent:
             buf.reopen(self.lo, self.hi, self.comm.world_size, sharded=self.shard_world > 1)
         buf.seal()
         data = buf.data
         comm = self.comm
-        inv = 1.0 / comm.world_size
+        inv = 1.0 / self.world_size
         if persistent:
             buf.mark_reduced()
         if self.shard_world == 1 or not comm.use_reduce_scatter:
-            h = comm.all_reduce(data, async_op=async_op)
+            h = self._across_replicas(comm.all_reduce(data, async_op=async_op), data[self.lo : self.hi])
             if persistent:  # grad_shard is a view of it: average just that part
                 return h.then(lambda: self.grad_shard.mul_(inv)) if inv != 1.0 else h
             lo, hi = self.lo, self.hi
             return h.then(lambda: self.grad_shard.add_(data[lo:hi], alpha=inv))
         out = torch.empty(self.shard_numel, dtype=data.dtype, device=data.device)
-        h = comm.reduce_scatter(out, data, async_op=async_op)
+        h = self._across_replicas(comm.reduce_scatter(out, data, async_op=async_op), out)
         if persistent:
             return h.then(lambda: torch.mul(out, inv, out=self.grad_shard))
         return h.then(lambda: self.grad_shard.add_(out, alpha=inv))
+
+    def _across_replicas(self, reduced: Handle, shard: torch.Tensor) -> Handle:
+        """Hybrid: once ``reduced`` (in the shard group) is done, sum ``shard`` over the replicas."""
+        if self.replicas is None:
+            return reduced
+        replicas = self.replicas
+        return Chain(reduced, lambda: replicas.all_reduce(shard, async_op=True))
 
     def zero_grad(self) -> None:
         if self.grads is not None:

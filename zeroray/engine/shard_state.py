@@ -44,6 +44,10 @@ class GroupSource:
     in_memory: bool  # read() yields live tensors; False: swap buffers, each valid until the next is asked for
     # read(key): the shard of ``key`` as consecutive 1-D fp32 tensors, ``hi - lo`` elements in all
     read: Callable[[str], Iterator[torch.Tensor]] = field(repr=False)
+    # Which of the identical copies of this shard this rank holds, of how many: the ranks of other shard
+    # groups under hybrid sharding, every rank at stage 0. A checkpoint writes each shard from one copy.
+    copy: int = 0
+    copies: int = 1
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,11 @@
 
 The port is picked by binding port 0 and releasing it, as Ray Train does; the tiny race with another
 process taking it in between surfaces as an init error and counts as a group failure.
+
+Gloo binds to the address the host name resolves to, which on many machines is a loopback address
+(Debian's 127.0.1.1; inside a network namespace 127.0.0.1) that other nodes cannot reach: their
+connections are refused. Unless the user chose one, each rank's gloo uses the interface that holds its
+node's Ray address (``GLOO_SOCKET_IFNAME``), the address the other nodes reach it at.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import datetime
 import os
 import socket
 
+import psutil
 import torch.distributed as dist
 
 from zeroray.engine import import_before_group
@@ -22,6 +28,14 @@ def node_address() -> str:
     import ray
 
     return ray.util.get_node_ip_address()
+
+
+def interface_of(address: str) -> str | None:
+    """The network interface that holds the IPv4 ``address`` (None if none here does)."""
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == address for a in addrs):
+            return name
+    return None
 
 
 def free_port() -> int:
@@ -50,6 +64,10 @@ def init_process_group(
             "GROUP_RANK": str(info.node_rank),
         }
     )
+    if "GLOO_SOCKET_IFNAME" not in os.environ:  # see the module doc
+        nic = interface_of(node_address())
+        if nic is not None:
+            os.environ["GLOO_SOCKET_IFNAME"] = nic
     import_before_group()  # so that leaving a failed group closes its connections (a kept actor lives on)
     dist.init_process_group(
         backend=backend,

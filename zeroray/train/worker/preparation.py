@@ -3,12 +3,15 @@ resume it from the run's newest committed checkpoint, so ``engine.global_step`` 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from zeroray.config.load import load_config
 from zeroray.train.worker import recovery
 from zeroray.train.worker.context import get_session
 
@@ -70,11 +73,13 @@ def prepare(
                     t.data = t.data.to(device)
     else:
         model.to(device)
+    config, nodes = _topology(session, model, optimizer)
     engine = initialize(
         model,
         optimizer=optimizer,
-        config=session.zero_config,
+        config=config,
         process_group=None,
+        nodes=nodes,
         lr_scheduler=lr_scheduler,
         init_fn=init_fn,
         device=device,
@@ -97,3 +102,26 @@ def prepare(
             )
     session.last_global_step = engine.global_step
     return engine
+
+
+def _topology(session: Any, model: torch.nn.Module, optimizer: Any) -> tuple[Any, list[str]]:
+    """Collective: every rank's node (the ranks of a node are consecutive), and the trainer's config with
+    ``shard_group_size="auto"`` resolved to the ranks per node, so that no shard group spans nodes."""
+    nodes = [f"node-{n}" for n in session.report_comm.all_gather_object(session.context.get_node_rank())]
+    config = session.zero_config
+    if load_config(config, model=model, optimizer=optimizer, defer=True).shard_group_size == "auto":
+        config = load_config(config, model=model, optimizer=optimizer)
+        config = dataclasses.replace(config, shard_group_size=ranks_per_node(nodes))
+    return config, nodes
+
+
+def ranks_per_node(nodes: list[str]) -> int:
+    """``shard_group_size="auto"``: the ranks of one node, the same on every node (else an error naming them)."""
+    counts = Counter(nodes)
+    if len(set(counts.values())) > 1:
+        held = ", ".join(f"{node} {n}" for node, n in sorted(counts.items()))
+        raise ValueError(
+            f"shard_group_size 'auto' needs the same number of ranks on every node, but the ranks per node "
+            f"are: {held}; give an integer that divides each count, or place equal ranks per node"
+        )
+    return next(iter(counts.values()))

@@ -1,0 +1,179 @@
+"""Topology: which ranks share one copy of the model states, and which node each rank is on.
+
+Flat ZeRO shards every group over all N ranks. Hybrid sharding (MiCS; FSDP2's HSDP) shards over a
+*shard group* of k ranks and replicates across the N/k groups: a 2-D mesh ``("replicate", "shard")``
+over the ranks, as torch's ``init_device_mesh`` builds it, where shard group r holds the ranks
+``[r*k, (r+1)*k)``. Put the ranks of one node next to each other and each shard group stays inside a
+node: stage 3's all-gathers and the gradients' reduce-scatter never cross nodes, and only the
+all-reduce of each gradient shard over its N/k replicas does (2Ψ/k bytes per rank and step).
+
+The engine sends three kinds of traffic, each on its own :class:`Comm`:
+
+- ``shard``: gathers and gradient reductions of the states (the whole world when flat);
+- ``replicas``: the all-reduce of each gradient shard across the groups (None when flat);
+- ``world``: control messages (overflow and unused-parameter agreement, checkpoints) and the
+  start-up broadcast of rank 0's weights, which keeps the replicas identical.
+
+With ``nodes`` (the node of each rank, by rank in the world group), :meth:`report` tells the bytes
+of collectives whose ranks are all on one node ("intra_node") from those whose ranks span nodes
+("inter_node"). This module imports nothing from Ray: the Ray layer passes the nodes.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from zeroray.config import CommConfig
+from zeroray.engine.comm import Comm
+
+SCOPES = ("intra_node", "inter_node")
+
+
+def _mesh_groups(mesh: object, world: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """The (shard, replicate) groups of a 2-D ``DeviceMesh`` named ``("replicate", "shard")``."""
+    names = getattr(mesh, "mesh_dim_names", None)
+    if getattr(mesh, "ndim", None) != 2 or tuple(names or ()) != ("replicate", "shard"):
+        raise ValueError(f"mesh must be a 2-D DeviceMesh with mesh_dim_names ('replicate', 'shard'), got {mesh!r}")
+    size = dist.get_world_size(world) if world is not None else 1
+    if mesh.size() != size:  # type: ignore[attr-defined]
+        raise ValueError(f"mesh has {mesh.size()} ranks but the process group has {size}")  # type: ignore[attr-defined]
+    return mesh.get_group("shard"), mesh.get_group("replicate")  # type: ignore[attr-defined]
+
+
+def _split(world: dist.ProcessGroup, k: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """Shard groups of ``k`` consecutive ranks and their replicate groups, made with torch's
+    ``init_device_mesh`` when ``world`` is the default group (a mesh needs it), else with ``new_subgroups``."""
+    n = dist.get_world_size(world)
+    if world is dist.group.WORLD or world == dist.distributed_c10d._get_default_group():
+        from torch.distributed.device_mesh import init_device_mesh
+
+        device_type = "cuda" if str(dist.get_backend(world)).lower() == "nccl" else "cpu"
+        mesh = init_device_mesh(device_type, (n // k, k), mesh_dim_names=("replicate", "shard"))
+        return mesh.get_group("shard"), mesh.get_group("replicate")
+    ranks = dist.get_process_group_ranks(world)
+    shard, _ = dist.new_subgroups_by_enumeration([ranks[i : i + k] for i in range(0, n, k)])
+    replicate, _ = dist.new_subgroups_by_enumeration([ranks[i::k] for i in range(k)])
+    return shard, replicate
+
+
+@dataclass
+class Topology:
+    """The engine's communicators; build it with :meth:`build`."""
+
+    world: Comm
+    shard: Comm
+    replicas: Comm | None = None
+    nodes: tuple[str, ...] | None = None  # the node of each world rank
+    _spans: dict[int, bool] | None = None  # id(comm) -> its ranks span nodes
+
+    @classmethod
+    def build(
+        cls,
+        process_group: dist.ProcessGroup | None,
+        comm_config: CommConfig,
+        *,
+        shard_group_size: int | str | None = None,
+        mesh: object | None = None,
+        nodes: Sequence[object] | None = None,
+    ) -> Topology:
+        """Collective when hybrid (the groups are made on every rank). ``shard_group_size`` k: shard
+        over k consecutive ranks, replicate across the N/k groups (None or N: flat); ``mesh``: a 2-D
+        ``DeviceMesh`` ``("replicate", "shard")`` to use instead; ``nodes``: each rank's node."""
+        def comm(group: dist.ProcessGroup | None) -> Comm:
+            return Comm(group, comm_config.reduce_scatter, comm_config.all_gather_by_broadcast)
+
+        world = comm(process_group)
+        n = world.world_size
+        if nodes is not None:
+            nodes = tuple(str(x) for x in nodes)
+            if len(nodes) != n:
+                raise ValueError(f"nodes names {len(nodes)} ranks' nodes, but the process group has {n} ranks")
+        if shard_group_size == "auto":
+            raise ValueError(
+                "shard_group_size 'auto' needs each rank's node: ZeroTrainer resolves it from its placement group; "
+                "at the engine level give an integer (the ranks per node) or a mesh"
+            )
+        if mesh is not None and shard_group_size is not None:
+            raise ValueError("give shard_group_size or a mesh, not both")
+        if mesh is not None:
+            shard, replicate = _mesh_groups(mesh, process_group)
+        elif shard_group_size is None or shard_group_size == n:
+            return cls._with_nodes(world, world, None, nodes)
+        else:
+            k = int(shard_group_size)
+            if n % k:
+                raise ValueError(f"shard_group_size {k} does not divide the world size {n}")
+            if k == n:
+                return cls._with_nodes(world, world, None, nodes)
+            shard, replicate = _split(process_group, k)
+        return cls._with_nodes(world, comm(shard), comm(replicate), nodes)
+
+    @classmethod
+    def _with_nodes(cls, world: Comm, shard: Comm, replicas: Comm | None, nodes: tuple[str, ...] | None) -> Topology:
+        topo = cls(world, shard, replicas, nodes)
+        if nodes is not None:
+            topo._spans = {id(c): topo._group_spans(c) for c in topo.comms}
+        return topo
+
+    def _group_spans(self, c: Comm) -> bool:
+        assert self.nodes is not None
+        if c.group is None or c is self.world:
+            return len(set(self.nodes)) > 1
+        world = self.world.group
+        members = [dist.get_group_rank(world, r) for r in dist.get_process_group_ranks(c.group)]
+        return len({self.nodes[r] for r in members}) > 1
+
+    # ------------------------------------------------------------------ shape
+    @property
+    def comms(self) -> list[Comm]:
+        """Every distinct communicator, world first."""
+        out = [self.world]
+        for c in (self.shard, self.replicas):
+            if c is not None and all(c is not o for o in out):
+                out.append(c)
+        return out
+
+    @property
+    def hybrid(self) -> bool:
+        return self.replicas is not None
+
+    @property
+    def shard_size(self) -> int:
+        return self.shard.world_size
+
+    @property
+    def replica_count(self) -> int:
+        return 1 if self.replicas is None else self.replicas.world_size
+
+    @property
+    def replica_rank(self) -> int:
+        return 0 if self.replicas is None else self.replicas.rank
+
+    # ------------------------------------------------------------------ accounting and lifetime
+    def report(self, by_scope: bool = False) -> dict[str, int]:
+        """Bytes per collective kind; ``by_scope`` (with nodes): keyed ``"<scope>:<kind>"``, scope
+        "intra_node" or "inter_node" (its ranks span nodes). Either way the values sum to the total."""
+        out: Counter[str] = Counter()
+        for c in self.comms:
+            scope = None
+            if by_scope and self._spans is not None:
+                scope = SCOPES[self._spans[id(c)]]
+            for kind, n in c.report().items():
+                out[kind if scope is None else f"{scope}:{kind}"] += n
+        return dict(out)
+
+    def reset(self) -> None:
+        for c in self.comms:
+            c.reset()
+
+    def close(self) -> None:
+        for c in self.comms:
+            c.close()
+
+    def abort(self, reason: str) -> None:
+        for c in self.comms:
+            c.abort(reason)
