@@ -297,7 +297,7 @@ def test_keys_set_to_their_off_default_are_accepted_silently(caplog):
         ({"gradient_predivide_factor": 2.0}, "gradient_predivide_factor"),
         ({"sequence_parallel_size": 2}, "sequence_parallel_size"),
         ({"zero_optimization": {"zero_quantized_weights": True}}, "zero_optimization.zero_quantized_weights"),
-        ({"zero_optimization": {"zero_hpz_partition_size": 8}}, "zero_optimization.zero_hpz_partition_size"),
+        ({"zero_optimization": {"zero_quantized_gradients": True}}, "zero_optimization.zero_quantized_gradients"),
         (
             {"activation_checkpointing": {"partition_activations": True}},
             "activation_checkpointing.partition_activations",

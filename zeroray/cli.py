@@ -147,6 +147,13 @@ def _add_estimate(sub: argparse._SubParsersAction) -> None:
         "(e.g. the GPUs of one node; DeepSpeed's mics_shard_size)",
     )
     p.add_argument(
+        "--hpz-partition-size",
+        type=int_at_least(1),
+        default=None,
+        help="ZeRO++ hpZ (stage 3): a secondary copy of the parameters over this many ranks (a node), "
+        "read by backward's gathers; adds the column params_secondary",
+    )
+    p.add_argument(
         "--largest-unit",
         type=whole_count,
         default=0,
@@ -183,13 +190,15 @@ def cmd_estimate(args: argparse.Namespace) -> int:
             args.params, args.world_size, args.stage, args.precision, args.offload, args.optimizer_bytes,
             sub_group_size=args.sub_group_size, buffer_count=args.buffer_count,
             offload_param=args.offload_param, largest_unit=args.largest_unit, param_buffer_count=args.buffer_count,
-            shard_group_size=args.shard_group_size,
+            shard_group_size=args.shard_group_size, hpz_partition_size=args.hpz_partition_size,
         )
     except ValueError as e:
         return _fail(str(e))
     per_stage = result if args.stage is None else {args.stage: result}
     offloads = args.offload != "none" or args.offload_param != "none"
-    cols = ["params", "grads", "optimizer", "total"] + (["host", "nvme"] if offloads else [])
+    hpz = args.hpz_partition_size not in (None, 1)
+    cols = ["params", "grads", "optimizer"] + (["params_secondary"] if hpz else []) + ["total"]
+    cols += ["host", "nvme"] if offloads else []
     heads = {"total": "device total"}
     settings = ""
     if args.offload == "nvme":

@@ -59,7 +59,7 @@ BUFFER_COUNT = OffloadConfig().buffer_count
 def _one_stage(
     numel: int, world_size: int, stage: int, p: int, g: int, k: int, offload: Offload, mixed: bool,
     sub_group_size: int, buffer_count: int, offload_param: Offload = "none", largest_unit: int = 0,
-    param_buffer_count: int = BUFFER_COUNT,
+    param_buffer_count: int = BUFFER_COUNT, hpz: int | None = None,
 ) -> dict[str, int | str]:
     shard = shard_numel(numel, world_size)
     params = numel if stage < 3 else shard
@@ -82,7 +82,10 @@ def _one_stage(
         host += param_pool_size(param_buffer_count) * swap_aligned(p * shard_numel(largest_unit, world_size)) if largest_unit else 0
     if offload_param != "none":
         out["params"] = 0
-    out["total"] = out["params"] + out["grads"] + out["optimizer"]
+    # hpZ: the secondary copy of the compute-dtype parameters over h ranks, on the device between a unit's
+    # forward and backward (all units at once at the end of forward).
+    out["params_secondary"] = p * shard_numel(numel, hpz) if hpz else 0
+    out["total"] = out["params"] + out["grads"] + out["optimizer"] + out["params_secondary"]
     out["host"], out["nvme"] = host, nvme
     out["offloaded"] = host + nvme
     out["offload_device"] = offload
@@ -103,6 +106,7 @@ def estimate(
     largest_unit: int = 0,
     param_buffer_count: int = BUFFER_COUNT,
     shard_group_size: int | None = None,
+    hpz_partition_size: int | None = None,
 ) -> dict:
     """Per-rank model-state bytes, so a run can be sized before it is launched.
 
@@ -116,7 +120,8 @@ def estimate(
     defaults), which size the swap buffers in host memory. ``offload_param`` (stage 3), with
     ``largest_unit`` and ``param_buffer_count`` for its NVMe read buffers: see the module docstring.
     ``shard_group_size`` k (hybrid sharding, stages 1-3): the states are sharded over k ranks, not N, so
-    every formula above holds with N -> k.
+    every formula above holds with N -> k. ``hpz_partition_size`` h (hpZ, stage 3): adds the secondary
+    parameter copy, pΨ/h, under ``params_secondary`` (and in ``total``).
     """
     numel = round(params)
     if numel < 1:
@@ -152,9 +157,20 @@ def estimate(
         if stage == 0:
             raise ValueError("hybrid sharding (shard_group_size) applies to stages 1-3; stage 0 replicates every state")
         stages = tuple(s for s in stages if s > 0)
+    hpz = None
+    if hpz_partition_size not in (None, 1):
+        shard_world = shard_group_size or world_size
+        if isinstance(hpz_partition_size, bool) or not isinstance(hpz_partition_size, int) or hpz_partition_size < 1:
+            raise ValueError(f"hpz_partition_size must be an integer >= 1, got {hpz_partition_size!r}")
+        if shard_world % hpz_partition_size:
+            raise ValueError(f"hpz_partition_size {hpz_partition_size} does not divide the shard group size {shard_world}")
+        if stage not in (None, 3):
+            raise ValueError(f"hpZ (hpz_partition_size) needs stage 3, got stage {stage}")
+        stages = (3,)
+        hpz = None if hpz_partition_size == shard_world else hpz_partition_size
     args = (numel, shard_group_size or world_size)
     rest = (p, g, k, offload, precision != "fp32", sub_group_size, buffer_count, offload_param, largest_unit,
-            param_buffer_count)
+            param_buffer_count, hpz)
     if stage is None:
         return {s: _one_stage(*args, s, *rest) for s in stages}
     return _one_stage(*args, stage, *rest)

@@ -56,6 +56,12 @@ def _mics(v: Any) -> Any:
     return None if _same(v, -1) or _same(v, 0) else v
 
 
+def _hpz(v: Any) -> Any:
+    """``zero_hpz_partition_size``: DeepSpeed's 1 (its default) and 0 mean off."""
+    v = _int(v)
+    return None if _same(v, 1) or _same(v, 0) else v
+
+
 def _number(v: Any) -> Any:
     return float(v) if isinstance(v, int) and not isinstance(v, bool) else v
 
@@ -153,6 +159,9 @@ TABLE: dict[str, Entry] = {
     "zero_optimization.reduce_scatter": Field("comm.reduce_scatter"),
     "zero_optimization.all_gather_by_broadcast": Field("comm.all_gather_by_broadcast", note="zeroray's own"),
     "zero_optimization.zeroray_units": Field("units", note="zeroray's own"),
+    "zero_optimization.zero_hpz_partition_size": Field(
+        "hpz_partition_size", _hpz, note="ZeRO++ hpZ at stage 3; 0 or 1 = off; \"auto\" = the ranks of a node"
+    ),
     "zero_optimization.mics_shard_size": Field(
         "shard_group_size", _mics, note="hybrid sharding at stages 1-3; -1 = off; \"auto\" = the ranks of a node"
     ),
@@ -285,7 +294,6 @@ TABLE: dict[str, Entry] = {
     "zero_optimization.zero_quantized_weights": Refused(_NOT_ZEROPP),
     "zero_optimization.zero_quantized_nontrainable_weights": Refused(_NOT_ZEROPP),
     "zero_optimization.zero_quantized_gradients": Refused(_NOT_ZEROPP),
-    "zero_optimization.zero_hpz_partition_size": Refused(_NOT_ZEROPP, unless=(0, 1, None)),
     "zero_optimization.zeropp_loco_param": Refused(_NOT_ZEROPP, unless=(None,)),
     "zero_optimization.mics_hierarchical_params_gather": Refused(
         "zeroray's shard groups stay inside a node (shard_group_size), so their gathers need no hierarchy"

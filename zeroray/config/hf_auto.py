@@ -117,9 +117,10 @@ RULES: dict[str, Rule] = {
         lambda src: (0, "HF's Trainer without --warmup_steps or --warmup_ratio"),
     ),
     "zero_optimization.reduce_bucket_size": Rule("hidden_size², as HF", _bucket(1.0, "")),
-    "zero_optimization.mics_shard_size": Rule(
-        "the ranks of one node, resolved by ZeroTrainer", lambda src: ("auto", "the ranks of one node (ZeroTrainer)")
-    ),
+    **{
+        key: Rule("the ranks of one node, resolved by ZeroTrainer", lambda src: ("auto", "the ranks of one node (ZeroTrainer)"))
+        for key in ("zero_optimization.mics_shard_size", "zero_optimization.zero_hpz_partition_size")
+    },
     "zero_optimization.stage3_prefetch_bucket_size": Rule("0.9 × hidden_size², as HF", _bucket(0.9, "0.9 x ")),
     **{
         f"optimizer.params.{name}": Rule(f"the {name} of the optimizer passed to initialize", _from_optimizer(name))

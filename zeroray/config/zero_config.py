@@ -256,6 +256,10 @@ class ZeroConfig:
     # of this many consecutive ranks and replicated across the groups. None: over all ranks. "auto":
     # the ranks of one node (ZeroTrainer resolves it from its placement group).
     shard_group_size: int | str | None = None
+    # hpZ (ZeRO++, stage 3; DeepSpeed's zero_hpz_partition_size): after a unit's forward each rank keeps
+    # 1/h of its parameters, gathered in backward from the h ranks of its node. None or 1: off; "auto": the
+    # ranks of one node (ZeroTrainer). Must divide shard_group_size (or the world size).
+    hpz_partition_size: int | str | None = None
 
     def __post_init__(self) -> None:
         problems: list[tuple[str, str]] = []
@@ -324,6 +328,13 @@ class ZeroConfig:
             yield from scheduler_spec_problems(self.scheduler)
 
     def _hybrid_problems(self) -> Problems:
+        h = self.hpz_partition_size
+        if h is not None and h != "auto" and (isinstance(h, bool) or not isinstance(h, int) or h < 1):
+            yield "hpz_partition_size", f"must be a positive integer, 'auto' or None, got {h!r}"
+        elif h not in (None, 1) and self.stage != 3:
+            yield "hpz_partition_size", (
+                f"hpZ keeps a secondary copy of stage 3's sharded parameters; it needs stage 3, got stage {self.stage!r}"
+            )
         k = self.shard_group_size
         if k is None:
             return

@@ -148,7 +148,7 @@ def build_engine(
     if config.stage == 0 and mesh is not None:
         raise ValueError("a mesh (hybrid sharding) applies to stages 1-3; stage 0 replicates every state already")
     topology = Topology.build(process_group, config.comm, shard_group_size=config.shard_group_size, mesh=mesh,
-                              nodes=nodes)
+                              nodes=nodes, hpz_partition_size=config.hpz_partition_size)
     comm = topology.world
     loss_scaler = LossScaler(config)
     phases = PhaseTimer(device)
@@ -295,6 +295,7 @@ def _lay_out(
             check=gather_check,
             replicas=topology.replicas,
             world=topology.world,
+            secondary=topology.secondary,
         )
         if g.has_meta:
             pending.append(g)

@@ -427,7 +427,8 @@ class ZeroEngine:
             gathers.wait_all()
 
     def memory_report(self) -> dict[str, int]:
-        """Bytes this rank holds persistently, by category (master weights count under optimizer)."""
+        """Bytes this rank holds persistently, by category (master weights count under optimizer; hpZ's
+        secondary parameters, held between a unit's forward and backward, under ``params_secondary``)."""
         opt = self.optim.memory()
         on_device = self._shard_device == self.device
         params = sum(g.param_bytes() for g in self.groups)
@@ -441,7 +442,10 @@ class ZeroEngine:
         report["grad_buffers_cached"] = self.reducer.cached_bytes()  # reused temporaries, stages 2-3
         report["gather_buffers_cached"] = self.gather_pool.cached_bytes()  # free gather memory, stage 3
         report["optimizer_states"] = opt["states"]
-        report["total"] = report["params"] + report["grads"] + report["optimizer"] + report["buffers"]
+        # hpZ: the secondary copies of the parameters, held from each unit's forward to its backward.
+        report["params_secondary"] = sum(g.secondary_bytes() for g in self.groups)
+        report["total"] = (report["params"] + report["grads"] + report["optimizer"] + report["buffers"]
+                           + report["params_secondary"])
         # Offload: bytes kept off the device, in host memory and in swap files (not in "total").
         report["host"] = opt["host"] + (0 if on_device else params)
         report["nvme"] = opt["nvme"]

@@ -87,12 +87,17 @@ class FlatGroup:
         check: Callable[[str], None] | None = None,
         replicas: Comm | None = None,
         world: Comm | None = None,
+        secondary: Comm | None = None,
     ):
         self.name = name
         self.comm = comm  # the shard group: gathers and reductions (every rank unless hybrid)
         self.replicas = replicas  # hybrid: the ranks holding the same shard in the other shard groups
         self.world = comm if world is None else world  # every rank: the start-up broadcast
         self.world_size = comm.world_size * (1 if replicas is None else replicas.world_size)
+        # hpZ (stage 3): the ranks of this node among the shard group. After a forward, this rank keeps its
+        # 1/k of the gathered parameters, so the backward's gather runs inside the node (see keep_secondary).
+        self.secondary_comm = secondary
+        self._secondary: torch.Tensor | None = None
         self.pool = pool  # where gathered memory comes from and goes back to (sharded params)
         self.check = check  # called with the group's name before each gather (a GatherCheck)
         self.sharding = sharding
@@ -279,6 +284,11 @@ class FlatGroup:
         if self.check is not None:
             self.check(self.name)
         self.pool.fill(self.full, self.padded * self.full.element_size())
+        if self._secondary is not None:  # hpZ: the copy kept after forward, gathered inside the node
+            secondary, self._secondary = self._secondary, None
+            self._gather = self.secondary_comm.all_gather(self.full, secondary, async_op=True)
+            self.state = ParamState.GATHERING
+            return
         if self.files is not None:  # read (usually ahead already) straight into my slice of full
             shard = self.full[self.lo : self.hi]
             self.files.fill(self, shard)
@@ -306,6 +316,25 @@ class FlatGroup:
         if self.state is ParamState.GATHERING:
             self.wait_gather()
         self._free_storage(to_pool)
+
+    def keep_secondary(self) -> None:
+        """hpZ, before the free after a forward that a backward follows: keep this rank's part of the
+        gathered parameters over the secondary (node) group, which the backward's gather reads."""
+        if self.secondary_comm is None or self.state is not ParamState.GATHERED:
+            return
+        s = self.padded // self.secondary_comm.world_size
+        r = self.secondary_comm.rank
+        self._secondary = self.full[r * s : (r + 1) * s].clone()
+
+    def drop_secondary(self) -> None:
+        """The backward is over (or the weights changed): the secondary copy is stale or unneeded."""
+        self._secondary = None
+
+    def secondary_bytes(self) -> int:
+        """hpZ: bytes of this group's secondary copy, held from its forward to its backward."""
+        if self.secondary_comm is None:
+            return 0
+        return self.padded // self.secondary_comm.world_size * self.full.element_size()
 
     def keep_gathered(self) -> None:
         """Gather and stop sharding the parameters for good (the engine is closing)."""
@@ -370,6 +399,7 @@ class FlatGroup:
     def publish_master(self, cast: bool = True) -> Handle:
         """Cast the updated master shard into the compute shard (unless ``cast`` is False: done
         already) and share it with the other ranks."""
+        self.drop_secondary()
         if cast and self.master is not None and self.master is not self.shard:
             self.write_shard(0, self.shard_numel, self.master)
         if self.sharding.shards_optimizer and not self.sharding.shards_params:

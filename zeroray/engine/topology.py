@@ -7,10 +7,15 @@ over the ranks, as torch's ``init_device_mesh`` builds it, where shard group r h
 node: stage 3's all-gathers and the gradients' reduce-scatter never cross nodes, and only the
 all-reduce of each gradient shard over its N/k replicas does (2Ψ/k bytes per rank and step).
 
-The engine sends three kinds of traffic, each on its own :class:`Comm`:
+hpZ (ZeRO++'s hierarchical partitioning, stage 3) adds a *secondary* group of h consecutive ranks
+inside each shard group (the ranks of a node): after a unit's forward each rank keeps 1/h of its gathered
+parameters, and the unit's backward gathers them from the secondary group, inside the node.
+
+The engine sends four kinds of traffic, each on its own :class:`Comm`:
 
 - ``shard``: gathers and gradient reductions of the states (the whole world when flat);
 - ``replicas``: the all-reduce of each gradient shard across the groups (None when flat);
+- ``secondary``: hpZ's backward gathers (None without hpZ);
 - ``world``: control messages (overflow and unused-parameter agreement, checkpoints) and the
   start-up broadcast of rank 0's weights, which keeps the replicas identical.
 
@@ -60,6 +65,12 @@ def _split(world: dist.ProcessGroup, k: int) -> tuple[dist.ProcessGroup, dist.Pr
     return shard, replicate
 
 
+def _secondary(shard_groups: list[list[int]], h: int) -> dist.ProcessGroup:
+    """hpZ: groups of ``h`` consecutive ranks of each shard group (global ranks), made on every rank."""
+    group, _ = dist.new_subgroups_by_enumeration([g[i : i + h] for g in shard_groups for i in range(0, len(g), h)])
+    return group
+
+
 @dataclass
 class Topology:
     """The engine's communicators; build it with :meth:`build`."""
@@ -68,6 +79,7 @@ class Topology:
     shard: Comm
     replicas: Comm | None = None
     nodes: tuple[str, ...] | None = None  # the node of each world rank
+    secondary: Comm | None = None  # hpZ
     _spans: dict[int, bool] | None = None  # id(comm) -> its ranks span nodes
 
     @classmethod
@@ -79,10 +91,12 @@ class Topology:
         shard_group_size: int | str | None = None,
         mesh: object | None = None,
         nodes: Sequence[object] | None = None,
+        hpz_partition_size: int | str | None = None,
     ) -> Topology:
-        """Collective when hybrid (the groups are made on every rank). ``shard_group_size`` k: shard
+        """Collective when hybrid or hpZ (the groups are made on every rank). ``shard_group_size`` k: shard
         over k consecutive ranks, replicate across the N/k groups (None or N: flat); ``mesh``: a 2-D
-        ``DeviceMesh`` ``("replicate", "shard")`` to use instead; ``nodes``: each rank's node."""
+        ``DeviceMesh`` ``("replicate", "shard")`` to use instead; ``nodes``: each rank's node;
+        ``hpz_partition_size`` h: hpZ's secondary groups of h consecutive ranks of a shard group."""
         def comm(group: dist.ProcessGroup | None) -> Comm:
             return Comm(group, comm_config.reduce_scatter, comm_config.all_gather_by_broadcast)
 
@@ -92,29 +106,43 @@ class Topology:
             nodes = tuple(str(x) for x in nodes)
             if len(nodes) != n:
                 raise ValueError(f"nodes names {len(nodes)} ranks' nodes, but the process group has {n} ranks")
-        if shard_group_size == "auto":
-            raise ValueError(
-                "shard_group_size 'auto' needs each rank's node: ZeroTrainer resolves it from its placement group; "
-                "at the engine level give an integer (the ranks per node) or a mesh"
-            )
+        for name, value in (("shard_group_size", shard_group_size), ("hpz_partition_size", hpz_partition_size)):
+            if value == "auto":
+                raise ValueError(
+                    f"{name} 'auto' needs each rank's node: ZeroTrainer resolves it from its placement group; "
+                    "at the engine level give an integer (the ranks per node)"
+                )
         if mesh is not None and shard_group_size is not None:
             raise ValueError("give shard_group_size or a mesh, not both")
         if mesh is not None:
-            shard, replicate = _mesh_groups(mesh, process_group)
-        elif shard_group_size is None or shard_group_size == n:
-            return cls._with_nodes(world, world, None, nodes)
+            shard, replicate = _mesh_groups(mesh, process_group)  # existing groups: nothing is made here
+            k = mesh.size(1)  # type: ignore[attr-defined]
         else:
-            k = int(shard_group_size)
+            k = n if shard_group_size is None else int(shard_group_size)
             if n % k:
                 raise ValueError(f"shard_group_size {k} does not divide the world size {n}")
-            if k == n:
-                return cls._with_nodes(world, world, None, nodes)
+        h = None if hpz_partition_size in (None, 1, k) else int(hpz_partition_size)
+        if h is not None and k % h:
+            raise ValueError(f"hpz_partition_size {h} does not divide the shard group size {k}")
+        # ---- the groups (collective from here on)
+        if mesh is not None:
+            shard_groups = mesh.mesh.tolist()  # type: ignore[attr-defined]
+        elif k == n:
+            shard, replicate = None, None
+            shard_groups = [dist.get_process_group_ranks(process_group)] if h is not None else []
+        else:
             shard, replicate = _split(process_group, k)
-        return cls._with_nodes(world, comm(shard), comm(replicate), nodes)
+            ranks = dist.get_process_group_ranks(process_group)
+            shard_groups = [ranks[i : i + k] for i in range(0, n, k)]
+        secondary = comm(_secondary(shard_groups, h)) if h is not None else None
+        if shard is None:
+            return cls._with_nodes(world, world, None, nodes, secondary)
+        return cls._with_nodes(world, comm(shard), comm(replicate), nodes, secondary)
 
     @classmethod
-    def _with_nodes(cls, world: Comm, shard: Comm, replicas: Comm | None, nodes: tuple[str, ...] | None) -> Topology:
-        topo = cls(world, shard, replicas, nodes)
+    def _with_nodes(cls, world: Comm, shard: Comm, replicas: Comm | None, nodes: tuple[str, ...] | None,
+                    secondary: Comm | None) -> Topology:
+        topo = cls(world, shard, replicas, nodes, secondary)
         if nodes is not None:
             topo._spans = {id(c): topo._group_spans(c) for c in topo.comms}
         return topo
@@ -132,7 +160,7 @@ class Topology:
     def comms(self) -> list[Comm]:
         """Every distinct communicator, world first."""
         out = [self.world]
-        for c in (self.shard, self.replicas):
+        for c in (self.shard, self.replicas, self.secondary):
             if c is not None and all(c is not o for o in out):
                 out.append(c)
         return out

@@ -59,11 +59,14 @@ class Unit:
         for g in self.groups:
             g.wait_gather()
 
-    def free(self, to_pool: bool = True) -> None:
-        """Free every group (not while held); ``to_pool=False``: the memory goes to the allocator."""
+    def free(self, to_pool: bool = True, keep_secondary: bool = False) -> None:
+        """Free every group (not while held); ``to_pool=False``: the memory goes to the allocator;
+        ``keep_secondary``: hpZ keeps each group's secondary copy for the backward."""
         if self._held:
             return
         for g in self.groups:
+            if keep_secondary:
+                g.keep_secondary()
             g.free(to_pool)
 
     def hold(self) -> None:
@@ -87,7 +90,7 @@ class Unit:
             self.free()
         elif self.reshard_after_forward:
             self.state = TrainingState.PRE_BACKWARD
-            self.free()
+            self.free(keep_secondary=True)
         else:
             self.state = TrainingState.BACKWARD
 
@@ -120,3 +123,5 @@ class Unit:
     def post_backward(self) -> None:
         self.state = TrainingState.IDLE
         self.free()
+        for g in self.groups:
+            g.drop_secondary()

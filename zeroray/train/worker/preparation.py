@@ -106,22 +106,24 @@ def prepare(
 
 def _topology(session: Any, model: torch.nn.Module, optimizer: Any) -> tuple[Any, list[str]]:
     """Collective: every rank's node (the ranks of a node are consecutive), and the trainer's config with
-    ``shard_group_size="auto"`` resolved to the ranks per node, so that no shard group spans nodes."""
+    ``shard_group_size="auto"`` (and hpZ's) resolved to the ranks per node, so no shard group spans nodes."""
     nodes = [f"node-{n}" for n in session.report_comm.all_gather_object(session.context.get_node_rank())]
     config = session.zero_config
-    if load_config(config, model=model, optimizer=optimizer, defer=True).shard_group_size == "auto":
+    early = load_config(config, model=model, optimizer=optimizer, defer=True)
+    autos = [name for name in ("shard_group_size", "hpz_partition_size") if getattr(early, name) == "auto"]
+    if autos:
         config = load_config(config, model=model, optimizer=optimizer)
-        config = dataclasses.replace(config, shard_group_size=ranks_per_node(nodes))
+        config = dataclasses.replace(config, **dict.fromkeys(autos, ranks_per_node(nodes)))
     return config, nodes
 
 
 def ranks_per_node(nodes: list[str]) -> int:
-    """``shard_group_size="auto"``: the ranks of one node, the same on every node (else an error naming them)."""
+    """``"auto"``: the ranks of one node, the same on every node (else an error naming them)."""
     counts = Counter(nodes)
     if len(set(counts.values())) > 1:
         held = ", ".join(f"{node} {n}" for node, n in sorted(counts.items()))
         raise ValueError(
-            f"shard_group_size 'auto' needs the same number of ranks on every node, but the ranks per node "
+            f"shard_group_size / hpz_partition_size 'auto' needs the same number of ranks on every node, but the ranks per node "
             f"are: {held}; give an integer that divides each count, or place equal ranks per node"
         )
     return next(iter(counts.values()))
