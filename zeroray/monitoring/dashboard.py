@@ -107,7 +107,9 @@ ROWS: tuple[Row, ...] = (
     )),
     Row("Communication", (
         Panel("Bytes per collective kind", "Bytes moved since set-up per collective kind, summed over the "
-              "ranks (comm_report(); an all-reduce counts twice its size).",
+              "ranks (comm_report(by_scope=True); an all-reduce counts twice its size). intra_node: kinds ran "
+              "among ranks of one node, inter_node: kinds spanned nodes (hybrid sharding keeps only the "
+              "gradient shards' all-reduce there).",
               _q(f"sum by (kind) ({sel(M.COMM_BYTES)})", "{{kind}}"), unit="bytes"),
         Panel("Traffic per collective kind", "Bytes per second each kind moved over the last report "
               "interval, summed over the ranks.",

@@ -69,7 +69,7 @@ def _rank_stats(session: Session) -> RankStats:
         memory = {str(k): int(v) for k, v in engine.memory_report().items() if isinstance(v, numbers.Number)}
         times = engine.phase_report()
         phases = times.as_dict() if times.steps else {}
-        comm = {str(k): int(v) for k, v in engine.comm_report().items()}
+        comm = {str(k): int(v) for k, v in engine.comm_report(by_scope=True).items()}  # zt.prepare gave the nodes
         offload_report = getattr(engine, "offload_report", None)  # engines that offload (cpu, nvme) have it
         if offload_report is not None:
             offload = {str(k): int(v) for k, v in offload_report().items()}
