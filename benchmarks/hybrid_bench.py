@@ -1,0 +1,357 @@
+"""Hybrid sharding (MiCS / HSDP) against flat ZeRO-3 and FSDP2 on the emulated multi-node cluster.
+
+    sudo PYTHONPATH=. python benchmarks/hybrid_bench.py [--params 25e6] [--steps 5] [--warmup 2]
+                                                          [--cases 2x2:none,2x2:1gbit,3x2:1gbit]
+
+Nodes are network namespaces joined by a bridge (tests/support/netcluster.py), each node's link
+unshaped or shaped with tbf (1 or 10 Gbit/s, burst 256kb, latency 50ms); ranks 2r and 2r+1 sit on node r,
+so a shard group of k = 2 consecutive ranks stays inside a node. Every case (nodes x ranks, link) is one
+gloo job (one thread a rank) that builds every mode side by side on zeroray's GPT (~25M parameters,
+fp32, AdamW, 2 sequences of 64 tokens a rank, so communication dominates) and steps them in turn, one
+step each a round, the order rotated every round, so that a shared machine's drifting load hits all
+modes alike:
+
+- zeroray flat stage 3 (states sharded over all ranks);
+- zeroray hybrid k=2 at stage 3 and at stage 2 (sharded over the 2 ranks of a node, replicated across nodes);
+- FSDP2 flat (``fully_shard`` over a 1-D mesh of all ranks) and FSDP2 HSDP (a (nodes, 2) mesh
+  ``("replicate", "shard")``); each transformer block ``fully_shard``-ed, then the root.
+
+For each mode: the median over ``--steps`` steps (after ``--warmup`` untimed ones) of the slowest
+rank's step time (forward, backward, optimizer step; a barrier before and after each); zeroray's
+inter-node bytes per step and rank from ``comm_report(by_scope=True)`` (a collective counts as
+inter-node when its group spans nodes, so flat ZeRO counts all its bytes there), beside the formula for
+hybrid: 2 x (Psi_padded / k) x 4 bytes per rank and micro-step; and the bytes that really crossed the
+links: the sum over nodes of each node NIC's sent bytes per step (read from /sys/class/net inside the
+node around each timed step). Prints a markdown table and writes it to
+benchmarks/results/hybrid/results.md. Needs root (network namespaces); the default cases take about 11
+minutes on 2 busy cores (``--cases 2x2:10gbit`` runs a 10 Gbit/s link too; it works,
+tried only on a 2M-parameter model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tests.support.netcluster import LinkSpec, NetCluster, run_ranks, unavailable  # noqa: E402
+
+RANKS_PER_NODE = 2
+K = 2  # hybrid shard group size: the ranks of one node
+LINKS = {
+    "none": None,
+    "1gbit": LinkSpec(rate="1gbit", burst="256kb", latency="50ms"),
+    "10gbit": LinkSpec(rate="10gbit", burst="256kb", latency="50ms"),
+}
+LINK_NAMES = {"none": "unshaped", "1gbit": "1 Gbit/s", "10gbit": "10 Gbit/s"}
+MODES = ["zeroray-flat-s3", "zeroray-hybrid-s3", "zeroray-hybrid-s2", "fsdp2-flat", "fsdp2-hsdp"]
+MODE_NAMES = {
+    "zeroray-flat-s3": "zeroray flat, stage 3",
+    "zeroray-hybrid-s3": f"zeroray hybrid k={K}, stage 3",
+    "zeroray-hybrid-s2": f"zeroray hybrid k={K}, stage 2",
+    "fsdp2-flat": "FSDP2 flat",
+    "fsdp2-hsdp": f"FSDP2 HSDP ({K} a shard group)",
+}
+OUT = Path(__file__).resolve().parent / "results" / "hybrid" / "results.md"
+
+
+def nic_tx_bytes() -> int:
+    """Bytes this node's NIC (GLOO_SOCKET_IFNAME, set by run_ranks) has sent: sysfs is the node's own
+    inside its namespace (``ip netns exec`` mounts it)."""
+    ifname = os.environ["GLOO_SOCKET_IFNAME"]
+    return int(Path(f"/sys/class/net/{ifname}/statistics/tx_bytes").read_text())
+
+
+def _batch(vocab: int, batch: int, seq: int, rank: int, step: int) -> tuple[Any, Any]:
+    """Random tokens seeded by rank and step: the same for every mode."""
+    import torch
+
+    g = torch.Generator().manual_seed(1_000_003 * rank + step)
+    tokens = torch.randint(vocab, (batch, seq + 1), generator=g)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def _zeroray_step(engine: Any, x: Any, y: Any) -> None:
+    loss = engine(x, y)[1]
+    engine.backward(loss)
+    engine.step()
+
+
+def _torch_step(model: Any, opt: Any, x: Any, y: Any) -> None:
+    _, loss = model(x, y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def build_mode(rank: int, world: int, mode: str, params: float) -> dict[str, Any]:
+    """The GPT (seed 0) wrapped for ``mode``: {"step": one training step on (x, y), "engine": zeroray's or
+    None, "vocab": the vocabulary size, "setup_s": seconds it took}."""
+    import torch
+
+    import zeroray
+    from zeroray.models.gpt import GPT, GPTConfig
+
+    start = time.perf_counter()
+    cfg = GPTConfig.for_params(params)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    nodes = [f"n{r // RANKS_PER_NODE}" for r in range(world)]
+    engine = None
+    if mode.startswith("zeroray"):
+        stage = int(mode[-1])
+        k = K if "hybrid" in mode else None
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        engine = zeroray.initialize(model, opt, zeroray.ZeroConfig(stage=stage, shard_group_size=k), nodes=nodes)
+        step = functools.partial(_zeroray_step, engine)
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        if mode == "fsdp2-hsdp":
+            mesh = init_device_mesh("cpu", (world // K, K), mesh_dim_names=("replicate", "shard"))
+        else:
+            mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+        for block in model.transformer.h:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        step = functools.partial(_torch_step, model, opt)
+    return {"step": step, "engine": engine, "vocab": cfg.vocab_size, "setup_s": time.perf_counter() - start}
+
+
+def bench_case(rank: int, world: int, modes: list[str], params: float, steps: int, warmup: int,
+               batch: int, seq: int) -> dict[str, Any]:
+    """Every mode on this rank, built side by side and stepped in turn, one step each a round (the order
+    rotated every round), so that the load of a shared machine drifts over all of them alike.
+
+    Per mode: the seconds of each timed step, the bytes this node's NIC sent during them (first rank of a
+    node, else None; a barrier after each step waits for every rank's traffic), zeroray's comm report
+    over them and its padded trainable numel. A mode that fails to build is recorded, and the rest run."""
+    import torch.distributed as dist
+
+    runs: dict[str, dict[str, Any]] = {}
+    results: dict[str, Any] = {}
+    for mode in modes:
+        try:
+            runs[mode] = build_mode(rank, world, mode, params)
+        except Exception as e:  # noqa: BLE001 - a benchmark reports a failing mode and goes on
+            results[mode] = {"error": f"{type(e).__name__}: {e}"[:500]}
+        dist.barrier()
+    leader = rank % RANKS_PER_NODE == 0
+    live = [m for m in modes if m in runs]
+    for mode in live:
+        runs[mode].update(times=[], tx=0)
+    for i in range(warmup + steps):
+        shift = i % len(live)
+        for mode in live[shift:] + live[:shift]:
+            run = runs[mode]
+            if i == warmup and run["engine"] is not None:
+                run["engine"].reset_comm_report()
+            x, y = _batch(run["vocab"], batch, seq, rank, i)
+            dist.barrier()
+            tx0 = nic_tx_bytes()
+            start = time.perf_counter()
+            run["step"](x, y)
+            seconds = time.perf_counter() - start
+            dist.barrier()
+            if i >= warmup:
+                run["times"].append(seconds)
+                run["tx"] += nic_tx_bytes() - tx0
+    for mode in live:
+        run = runs[mode]
+        engine = run["engine"]
+        results[mode] = {"times": run["times"], "tx": run["tx"] if leader else None, "setup_s": run["setup_s"],
+                         "scoped": None if engine is None else engine.comm_report(by_scope=True),
+                         "psi_padded": None if engine is None else sum(g.padded for g in engine.groups if g.trainable)}
+        if engine is not None:
+            engine.close()
+    dist.barrier()
+    return results
+
+
+def link_bits_per_s(link: str) -> float | None:
+    """A shaped link's rate in bit/s ("1gbit" -> 1e9), None when unshaped."""
+    spec = LINKS[link]
+    if spec is None or spec.rate is None:
+        return None
+    units = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3}
+    for unit, scale in units.items():
+        if spec.rate.endswith(unit):
+            return float(spec.rate.removesuffix(unit)) * scale
+    raise ValueError(f"rate {spec.rate!r}: expected <n>gbit, <n>mbit or <n>kbit")
+
+
+def summarize(per_rank: list[dict[str, Any]], mode: str, steps: int, link: str) -> dict[str, Any]:
+    """Median slowest-rank step time, rank 0's inter-node bytes a step, the formula, link bytes a step and
+    the time the busiest node's link needs for its bytes at the shaped rate."""
+    errors = [r[mode]["error"] for r in per_rank if "error" in r[mode]]
+    if errors:
+        return {"error": errors[0]}
+    slowest = [max(ts) for ts in zip(*(r[mode]["times"] for r in per_rank))]
+    row: dict[str, Any] = {"seconds": statistics.median(slowest), "all": slowest,
+                           "setup_s": max(r[mode]["setup_s"] for r in per_rank)}
+    node_tx = [r[mode]["tx"] for r in per_rank if r[mode]["tx"] is not None]
+    row["link"] = sum(node_tx) / steps
+    rate = link_bits_per_s(link)
+    row["floor"] = None if rate is None else max(node_tx) / steps * 8 / rate
+    scoped = per_rank[0][mode]["scoped"]
+    row["scoped"] = None if scoped is None else {key: v / steps for key, v in scoped.items()}
+    row["inter"] = None if scoped is None else sum(
+        v for key, v in scoped.items() if key.startswith("inter_node:")) / steps
+    row["formula"] = None
+    if "hybrid" in mode:
+        row["formula"] = 2 * (per_rank[0][mode]["psi_padded"] // K) * 4
+    return row
+
+
+def _mb(x: float | None) -> str:
+    """Bytes as MB with one decimal, or a dash."""
+    return "—" if x is None else f"{x / 1e6:.1f}"
+
+
+def render(rows: list[tuple[str, str, str, dict[str, Any]]], args: argparse.Namespace, n_params: int,
+           command: str, wall: float, kinds: dict[tuple[str, str], dict[str, float]]) -> str:
+    """The results as markdown: the table, the ratios, what the columns mean, zeroray's bytes by kind."""
+    lines = [
+        "# Hybrid sharding vs flat ZeRO-3 and FSDP2 on the emulated multi-node cluster",
+        "",
+        f"- date: {datetime.date.today().isoformat()}",
+        f"- machine: {os.cpu_count()} cores CPU ({platform.processor() or platform.machine()}), gloo, one thread a rank;"
+        " shared with other jobs, so times are noisy",
+        f"- command: `{command}`",
+        f"- model: zeroray GPT, {n_params / 1e6:.1f}M parameters, fp32, AdamW; {args.batch} sequences of {args.seq}"
+        f" tokens a rank; median of {args.steps} steps after {args.warmup} warm-ups, slowest rank per step;"
+        " the modes of a case live side by side in the same ranks and take one step each in turn (order rotated"
+        " each round)",
+        f"- ranks {RANKS_PER_NODE} a node (ranks 2r, 2r+1 on node r); hybrid k = {K}; links shaped with tbf"
+        " (burst 256kb, latency 50ms) on both ends",
+        f"- total wall time {wall:.0f} s",
+        "",
+        "| nodes x ranks | link | mode | step s | inter-node MB/step/rank (comm_report) | formula MB | link MB/step"
+        " | link floor s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for case, link, mode, row in rows:
+        if "error" in row:
+            lines.append(f"| {case} | {LINK_NAMES[link]} | {MODE_NAMES[mode]} | FAILED: {row['error']} | | | | |")
+            continue
+        lines.append(f"| {case} | {LINK_NAMES[link]} | {MODE_NAMES[mode]} | {row['seconds']:.3f} | {_mb(row['inter'])}"
+                     f" | {_mb(row['formula'])} | {_mb(row['link'])}"
+                     f" | {'—' if row['floor'] is None else format(row['floor'], '.2f')} |")
+    lines += ["", "Ratios of step times (median, slowest rank):", "",
+              "| nodes x ranks | link | hybrid s3 / flat s3 | hybrid s2 / flat s3 | hybrid s3 / FSDP2 HSDP"
+              " | FSDP2 HSDP / FSDP2 flat |",
+              "|---|---|---|---|---|---|"]
+    by_case: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}
+    for case, link, mode, row in rows:
+        by_case.setdefault((case, link), {})[mode] = row
+
+    def ratio(table: dict[str, dict[str, Any]], a: str, b: str) -> str:
+        if "seconds" not in table.get(a, {}) or "seconds" not in table.get(b, {}):
+            return "—"
+        return f"{table[a]['seconds'] / table[b]['seconds']:.2f}"
+
+    for (case, link), table in by_case.items():
+        lines.append(f"| {case} | {LINK_NAMES[link]} | {ratio(table, 'zeroray-hybrid-s3', 'zeroray-flat-s3')}"
+                     f" | {ratio(table, 'zeroray-hybrid-s2', 'zeroray-flat-s3')}"
+                     f" | {ratio(table, 'zeroray-hybrid-s3', 'fsdp2-hsdp')} | {ratio(table, 'fsdp2-hsdp', 'fsdp2-flat')} |")
+    lines += [
+        "",
+        "Columns:",
+        "",
+        "- *inter-node MB/step/rank*: rank 0's bytes in collectives whose group spans nodes, from"
+        " `engine.comm_report(by_scope=True)`, as zeroray counts them (an all-reduce of S bytes counts 2S, a"
+        " gather or reduce-scatter of a full S-byte buffer counts S). Flat ZeRO's one group spans the nodes, so"
+        " all its bytes are there, though much of its traffic stays inside a node.",
+        f"- *formula*: hybrid's inter-node bytes per rank and micro-step, 2 x (Psi_padded / k) x 4 with"
+        f" Psi_padded = sum(g.padded for g in engine.groups if g.trainable), k = {K} (the all-reduce of each"
+        " gradient shard over the N/k replicas, fp32).",
+        "- *link MB/step*: bytes that really crossed the links: the sum over nodes of the node NIC's sent bytes"
+        " (headers included) over the timed steps, divided by the steps; the barriers add a few KB. A ring"
+        " all-reduce of B bytes over r replicas sends 2 (r-1)/r x B per rank, so hybrid's link bytes should be"
+        " N x (r-1)/r x formula (r = N/k replicas) plus headers.",
+        "- *link floor s*: the busiest node's sent bytes per step over the shaped rate: the least time a step"
+        " can take on that link. Where the step time is well above it, the two CPU cores (shared by all ranks and"
+        " by other jobs), not the link, set the pace.",
+        "- On gloo zeroray's defaults all-reduce the gradients (comm.reduce_scatter off) and gather parameters by"
+        " broadcasts (comm.all_gather_by_broadcast on): its flat ZeRO-3 puts more bytes on the links than FSDP2"
+        " flat; hybrid keeps both inside the node, where they never touch a link.",
+    ]
+    if kinds:
+        lines += ["", "zeroray's comm_report per step and rank (rank 0), MB, by scope and kind:", ""]
+        for (case, mode), scoped in kinds.items():
+            text = ", ".join(f"{key} {v / 1e6:.1f}" for key, v in sorted(scoped.items()))
+            lines.append(f"- {case}, {MODE_NAMES[mode]}: {text}")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--params", type=float, default=25e6)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--cases", default="2x2:none,2x2:1gbit,3x2:1gbit",
+                        help="comma-separated <nodes>x<ranks a node>:<none|1gbit|10gbit>")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds a case may run")
+    parser.add_argument("--out", type=Path, default=OUT)
+    args = parser.parse_args()
+    why = unavailable()
+    if why:
+        sys.exit(f"no emulated cluster here: {why}")
+    from zeroray.models.gpt import GPTConfig
+
+    n_params = GPTConfig.for_params(args.params).num_params()
+    modes = [m for m in args.modes.split(",") if m]
+    cases = []
+    for spec in args.cases.split(","):
+        shape, link = spec.split(":")
+        n_nodes, per_node = (int(v) for v in shape.split("x"))
+        if per_node != RANKS_PER_NODE:
+            raise SystemExit(f"{spec}: {RANKS_PER_NODE} ranks a node only")
+        cases.append((shape, n_nodes, link))
+    pythonpath = f"PYTHONPATH={shlex.quote(os.environ['PYTHONPATH'])} " if os.environ.get("PYTHONPATH") else ""
+    command = f"cd {shlex.quote(os.getcwd())} && {pythonpath}{sys.executable} " + " ".join(map(shlex.quote, sys.argv))
+    command += " (as root)" if os.geteuid() == 0 else ""
+
+    t0 = time.monotonic()
+    rows: list[tuple[str, str, str, dict[str, Any]]] = []
+    kinds: dict[tuple[str, str], dict[str, float]] = {}  # (nodes x ranks, mode): bytes a step; the link does not change them
+    with NetCluster(max(n for _, n, _ in cases)) as net:
+        for shape, n_nodes, link in cases:
+            for node in net.nodes:
+                net.shape(node, LINKS[link])
+            placement = [net.nodes[r // RANKS_PER_NODE] for r in range(n_nodes * RANKS_PER_NODE)]
+            t_case = time.time()
+            per_rank = run_ranks(net, placement, bench_case, modes, args.params, args.steps, args.warmup,
+                                 args.batch, args.seq, timeout_s=args.timeout)
+            print(f"{shape} {LINK_NAMES[link]}: {time.time() - t_case:.0f} s", flush=True)
+            for mode in modes:
+                row = summarize(per_rank, mode, args.steps, link)
+                rows.append((shape, link, mode, row))
+                if row.get("scoped") is not None:
+                    kinds.setdefault((shape, mode), row["scoped"])
+                status = row.get("error") or (f"{row['seconds']:.3f} s/step {[round(t, 2) for t in row['all']]},"
+                                            f" link {_mb(row['link'])} MB/step, set-up {row['setup_s']:.1f} s")
+                print(f"[{time.monotonic() - t0:5.0f}s] {shape} {LINK_NAMES[link]:9s} {mode:18s} {status}", flush=True)
+    md = render(rows, args, n_params, command, time.monotonic() - t0, kinds)
+    print("\n" + md)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(md)
+
+
+if __name__ == "__main__":
+    main()
