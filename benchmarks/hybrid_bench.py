@@ -63,6 +63,40 @@ MODE_NAMES = {
     "fsdp2-hsdp": f"FSDP2 HSDP ({K} a shard group)",
 }
 OUT = Path(__file__).resolve().parent / "results" / "hybrid" / "results.md"
+UNSHAPED_GBIT = 21.0  # what an unshaped veth carried here (../shared/NOTES.md): the plot's x for "unshaped"
+
+
+def plot(md: Path, png: Path) -> None:
+    """Step time against link bandwidth, one line per mode and cluster shape, from ``md``'s first table
+    (so a plot can be redrawn from a committed result without running again)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    gbit = {name: float(key.removesuffix("gbit")) for key, name in LINK_NAMES.items() if key != "none"}
+    gbit[LINK_NAMES["none"]] = UNSHAPED_GBIT
+    series: dict[str, list[tuple[float, float]]] = {}
+    for line in md.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 4 or cells[1] not in gbit or cells[2] not in MODE_NAMES.values():
+            continue
+        try:
+            seconds = float(cells[3])
+        except ValueError:
+            continue
+        series.setdefault(f"{cells[2]} ({cells[0]})", []).append((gbit[cells[1]], seconds))
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for label, points in sorted(series.items()):
+        xs, ys = zip(*sorted(points), strict=True)
+        ax.plot(xs, ys, marker="o", linestyle="--" if "FSDP2" in label else "-", label=label)
+    ax.set_xscale("log")
+    ax.set_xlabel(f"link bandwidth per node, Gbit/s (unshaped veth: ~{UNSHAPED_GBIT:.0f})")
+    ax.set_ylabel("step time, s (median, slowest rank)")
+    ax.set_title("Step time against link bandwidth (emulated nodes x 2 ranks, 26M params)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
 
 
 def nic_tx_bytes() -> int:
@@ -308,7 +342,12 @@ def main() -> None:
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds a case may run")
     parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--plot-only", action="store_true", help="redraw the plot from --out and stop")
     args = parser.parse_args()
+    png = args.out.with_name("step_vs_link.png")
+    if args.plot_only:
+        plot(args.out, png)
+        return
     why = unavailable()
     if why:
         sys.exit(f"no emulated cluster here: {why}")
@@ -351,6 +390,7 @@ def main() -> None:
     print("\n" + md)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(md)
+    plot(args.out, png)
 
 
 if __name__ == "__main__":
