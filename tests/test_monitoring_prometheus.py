@@ -4,7 +4,7 @@ Prometheus finds the Ray nodes' metrics endpoints through the service-discovery 
 session directory, with the scrape config Ray generates there (what ``ray metrics launch-prometheus``
 runs), at a 1 s scrape interval. The run trains zeroray's GPT at stage 3 and keeps reporting until
 the test has seen what it waits for; then each rank writes its final ``memory_report()`` and
-``comm_report()``, and the test checks Prometheus holds exactly those values. Every wait polls a
+``comm_report(by_scope=True)``, and the test checks Prometheus holds exactly those values. Every wait polls a
 condition with a deadline; nothing sleeps a fixed time.
 """
 
@@ -67,7 +67,7 @@ def _loop(config: dict[str, Any]) -> None:
             raise RuntimeError("planned failure, for the resume metrics")
         if stop.item():
             break
-    final = {"global_step": engine.global_step, "memory": engine.memory_report(), "comm": engine.comm_report()}
+    final = {"global_step": engine.global_step, "memory": engine.memory_report(), "comm": engine.comm_report(by_scope=True)}
     (out / f"final-{ctx.get_world_rank()}.json").write_text(json.dumps(final))
     release = out / "release"
     while not release.exists() and time.monotonic() < deadline + config["max_s"]:
