@@ -50,16 +50,14 @@ def _int(v: Any) -> Any:
     return int(v) if isinstance(v, float) and v.is_integer() else v
 
 
-def _mics(v: Any) -> Any:
-    """``mics_shard_size``: DeepSpeed's -1 (and 0) mean off."""
-    v = _int(v)
-    return None if _same(v, -1) or _same(v, 0) else v
+def _size_or_off(*off: int) -> Callable[[Any], Any]:
+    """A group size whose DeepSpeed "off" values (``mics_shard_size`` -1 and 0, ``zero_hpz_partition_size``
+    1 and 0) become None."""
+    def convert(v: Any) -> Any:
+        v = _int(v)
+        return None if any(_same(v, o) for o in off) else v
 
-
-def _hpz(v: Any) -> Any:
-    """``zero_hpz_partition_size``: DeepSpeed's 1 (its default) and 0 mean off."""
-    v = _int(v)
-    return None if _same(v, 1) or _same(v, 0) else v
+    return convert
 
 
 def _number(v: Any) -> Any:
@@ -160,10 +158,10 @@ TABLE: dict[str, Entry] = {
     "zero_optimization.all_gather_by_broadcast": Field("comm.all_gather_by_broadcast", note="zeroray's own"),
     "zero_optimization.zeroray_units": Field("units", note="zeroray's own"),
     "zero_optimization.zero_hpz_partition_size": Field(
-        "hpz_partition_size", _hpz, note="ZeRO++ hpZ at stage 3; 0 or 1 = off; \"auto\" = the ranks of a node"
+        "hpz_partition_size", _size_or_off(1, 0), note="ZeRO++ hpZ at stage 3; 0 or 1 = off; \"auto\" = the ranks of a node"
     ),
     "zero_optimization.mics_shard_size": Field(
-        "shard_group_size", _mics, note="hybrid sharding at stages 1-3; -1 = off; \"auto\" = the ranks of a node"
+        "shard_group_size", _size_or_off(-1, 0), note="hybrid sharding at stages 1-3; -1 = off; \"auto\" = the ranks of a node"
     ),
     "zero_optimization.zeroray_trim_host_heap": Field("trim_host_heap", note="zeroray's own"),
     "zero_optimization.offload_optimizer.device": Field("offload_optimizer.device"),

@@ -328,20 +328,20 @@ class ZeroConfig:
             yield from scheduler_spec_problems(self.scheduler)
 
     def _hybrid_problems(self) -> Problems:
+        def bad_size(v: Any) -> bool:
+            return v not in (None, "auto") and (isinstance(v, bool) or not isinstance(v, int) or v < 1)
+
+        for name in ("hpz_partition_size", "shard_group_size"):
+            if bad_size(getattr(self, name)):
+                yield name, f"must be a positive integer, 'auto' or None, got {getattr(self, name)!r}"
         h = self.hpz_partition_size
-        if h is not None and h != "auto" and (isinstance(h, bool) or not isinstance(h, int) or h < 1):
-            yield "hpz_partition_size", f"must be a positive integer, 'auto' or None, got {h!r}"
-        elif h not in (None, 1) and self.stage != 3:
+        if not bad_size(h) and h not in (None, 1) and self.stage != 3:
             yield "hpz_partition_size", (
                 f"hpZ keeps a secondary copy of stage 3's sharded parameters; it needs stage 3, got stage {self.stage!r}"
             )
         k = self.shard_group_size
-        if k is None:
+        if k is None or bad_size(k):
             return
-        if k != "auto":
-            if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-                yield "shard_group_size", f"must be a positive integer, 'auto' or None, got {k!r}"
-                return
         if self.stage == 0:
             yield "shard_group_size", (
                 "hybrid sharding applies to stages 1-3; stage 0 replicates every state already (set stage, or "

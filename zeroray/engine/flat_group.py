@@ -95,7 +95,7 @@ class FlatGroup:
         self.world = comm if world is None else world  # every rank: the start-up broadcast
         self.world_size = comm.world_size * (1 if replicas is None else replicas.world_size)
         # hpZ (stage 3): the ranks of this node among the shard group. After a forward, this rank keeps its
-        # 1/k of the gathered parameters, so the backward's gather runs inside the node (see keep_secondary).
+        # 1/h of the gathered parameters, so the backward's gather runs inside the node (see keep_secondary).
         self.secondary_comm = secondary
         self._secondary: torch.Tensor | None = None
         self.pool = pool  # where gathered memory comes from and goes back to (sharded params)

@@ -49,19 +49,18 @@ def _mesh_groups(mesh: object, world: dist.ProcessGroup | None) -> tuple[dist.Pr
     return mesh.get_group("shard"), mesh.get_group("replicate")  # type: ignore[attr-defined]
 
 
-def _split(world: dist.ProcessGroup, k: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """Shard groups of ``k`` consecutive ranks and their replicate groups, made with torch's
-    ``init_device_mesh`` when ``world`` is the default group (a mesh needs it), else with ``new_subgroups``."""
-    n = dist.get_world_size(world)
+def _split(world: dist.ProcessGroup, shard_groups: list[list[int]]) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """The groups of ``shard_groups`` (consecutive global ranks) and their replicate groups, made with torch's
+    ``init_device_mesh`` when ``world`` is the default group (a mesh needs it), else by enumeration."""
     if world is dist.group.WORLD or world == dist.distributed_c10d._get_default_group():
         from torch.distributed.device_mesh import init_device_mesh
 
         device_type = "cuda" if str(dist.get_backend(world)).lower() == "nccl" else "cpu"
-        mesh = init_device_mesh(device_type, (n // k, k), mesh_dim_names=("replicate", "shard"))
+        shape = (len(shard_groups), len(shard_groups[0]))
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard"))
         return mesh.get_group("shard"), mesh.get_group("replicate")
-    ranks = dist.get_process_group_ranks(world)
-    shard, _ = dist.new_subgroups_by_enumeration([ranks[i : i + k] for i in range(0, n, k)])
-    replicate, _ = dist.new_subgroups_by_enumeration([ranks[i::k] for i in range(k)])
+    shard, _ = dist.new_subgroups_by_enumeration(shard_groups)
+    replicate, _ = dist.new_subgroups_by_enumeration([list(column) for column in zip(*shard_groups, strict=True)])
     return shard, replicate
 
 
@@ -127,13 +126,12 @@ class Topology:
         # ---- the groups (collective from here on)
         if mesh is not None:
             shard_groups = mesh.mesh.tolist()  # type: ignore[attr-defined]
-        elif k == n:
-            shard, replicate = None, None
-            shard_groups = [dist.get_process_group_ranks(process_group)] if h is not None else []
-        else:
-            shard, replicate = _split(process_group, k)
+        elif k < n or h is not None:
             ranks = dist.get_process_group_ranks(process_group)
             shard_groups = [ranks[i : i + k] for i in range(0, n, k)]
+            shard, replicate = _split(process_group, shard_groups) if k < n else (None, None)
+        else:
+            shard_groups, shard, replicate = [], None, None
         secondary = comm(_secondary(shard_groups, h)) if h is not None else None
         if shard is None:
             return cls._with_nodes(world, world, None, nodes, secondary)
