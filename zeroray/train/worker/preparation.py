@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from zeroray.config import ZeroConfig
 from zeroray.config.load import load_config
 from zeroray.train.worker import recovery
 from zeroray.train.worker.context import get_session
@@ -104,15 +105,13 @@ def prepare(
     return engine
 
 
-def _topology(session: Any, model: torch.nn.Module, optimizer: Any) -> tuple[Any, list[str]]:
+def _topology(session: Any, model: torch.nn.Module, optimizer: Any) -> tuple[ZeroConfig, list[str]]:
     """Collective: every rank's node (the ranks of a node are consecutive), and the trainer's config with
     ``shard_group_size="auto"`` (and hpZ's) resolved to the ranks per node, so no shard group spans nodes."""
     nodes = [f"node-{n}" for n in session.report_comm.all_gather_object(session.context.get_node_rank())]
-    config = session.zero_config
-    early = load_config(config, model=model, optimizer=optimizer, defer=True)
-    autos = [name for name in ("shard_group_size", "hpz_partition_size") if getattr(early, name) == "auto"]
+    config = load_config(session.zero_config, model=model, optimizer=optimizer)  # what initialize would load
+    autos = [name for name in ("shard_group_size", "hpz_partition_size") if getattr(config, name) == "auto"]
     if autos:
-        config = load_config(config, model=model, optimizer=optimizer)
         config = dataclasses.replace(config, **dict.fromkeys(autos, ranks_per_node(nodes)))
     return config, nodes
 
