@@ -102,6 +102,8 @@ class _Guarded:
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Sequence = (), kwargs: dict | None = None) -> Any:
+        if torch.compiler.is_compiling():
+            return super().__torch_function__(func, types, args, kwargs or {})  # type: ignore[misc]
         for a in (*args, *(kwargs or {}).values()):
             for t in a if isinstance(a, (list, tuple)) else (a,):
                 owner = _owner_of(t)
@@ -136,8 +138,8 @@ class ParamGuard:
                 self._hooks.append(module.register_state_dict_pre_hook(partial(ParamGuard._state_dict_pre_hook, self)))
                 self._hooks.append(module.register_state_dict_post_hook(partial(ParamGuard._state_dict_hook, self)))
                 self._hooks.append(module.register_load_state_dict_pre_hook(self._load_hook))
-        self._hooks.append(model.register_forward_pre_hook(self._enter_forward))
-        self._hooks.append(model.register_forward_hook(self._leave_forward, always_call=True))
+        self._hooks.append(model.register_forward_pre_hook(torch._dynamo.disable(self._enter_forward)))
+        self._hooks.append(model.register_forward_hook(torch._dynamo.disable(self._leave_forward), always_call=True))
 
     def _sharded(self, module: nn.Module, prefix: str) -> list[tuple[str, nn.Parameter, _Owner]]:
         return [

@@ -31,6 +31,8 @@ from zeroray.engine.flat_group import FlatGroup, ParamState
 from zeroray.engine.saved_views import SavedViews
 from zeroray.engine.unit import TrainingState, Unit
 
+_eager = torch._dynamo.disable
+
 
 def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
     """The tensors in a module's output: nested lists, tuples, dicts and dataclasses."""
@@ -66,18 +68,18 @@ class UnitScheduler:
         self._bwd_pos = 0
         self._root_views = SavedViews()
         self._hooks: list[RemovableHandle] = [
-            model.register_forward_pre_hook(self._root_pre),
-            model.register_forward_hook(self._stop_watching, always_call=True),  # also when it raises
-            model.register_forward_hook(self._root_post),
+            model.register_forward_pre_hook(_eager(self._root_pre)),
+            model.register_forward_hook(_eager(self._stop_watching), always_call=True),  # also when it raises
+            model.register_forward_hook(_eager(self._root_post)),
         ]
         root_params = {p for g in root.groups for p in g.params}
         unit_modules = {m for u in self.units for m in u.module.modules()}
         for m in model.modules():
             if m not in unit_modules and any(p in root_params for p in m.parameters(recurse=False)):
-                self._hooks.append(m.register_forward_pre_hook(self._root_module_pre))
+                self._hooks.append(m.register_forward_pre_hook(_eager(self._root_module_pre)))
         for unit in self.units:
-            self._hooks.append(unit.module.register_forward_pre_hook(partial(self._pre_forward, unit)))
-            self._hooks.append(unit.module.register_forward_hook(partial(self._post_forward, unit)))
+            self._hooks.append(unit.module.register_forward_pre_hook(_eager(partial(self._pre_forward, unit))))
+            self._hooks.append(unit.module.register_forward_hook(_eager(partial(self._post_forward, unit))))
 
     @property
     def all_units(self) -> list[Unit]:
