@@ -25,41 +25,22 @@ import zeroray
 import zeroray.checkpoint as zc
 from tests.support.checkpoint import assemble, assert_same, snapshot
 from tests.support.dist import run_ranks
-from tests.support.models import TinyLM, batches, param_groups
-from tests.support.recipe import CLIP, GAS, LR, OPT_STEPS, config, optimizer, reference, train, zero_run
+from tests.support.models import TinyLM, batches
+from tests.support.recipe import (
+    GAS,
+    OPT_STEPS,
+    config,
+    fsdp2_run,
+    optimizer,
+    reference,
+    train,
+    zero_run,
+)
 from zeroray.config import ConfigError, ZeroConfig
 
 # fp32 rounding floor: below it, distances are noise of the summation order.
 FLOOR = {"fp32": 2e-6, "bf16": 2e-2}
 NORM_RTOL = {"fp32": 1e-5, "bf16": 2e-2}
-
-
-def _hsdp(model: torch.nn.Module, data: list, k: int, precision: str) -> tuple[list[float], dict]:
-    """The recipe through FSDP2 HSDP on a (world/k, k) mesh: each block and the root ``fully_shard``-ed."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    world = dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world // k, k), mesh_dim_names=("replicate", "shard"))
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
-    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
-    for blk in model.h:
-        fully_shard(blk, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
-    opt = torch.optim.AdamW(param_groups(model), lr=LR)
-    losses = []
-    for i, (x, y) in enumerate(data):
-        boundary = (i + 1) % GAS == 0
-        model.set_requires_gradient_sync(boundary)
-        loss = model(x, y)
-        (loss / GAS).backward()
-        losses.append(loss.item())
-        if boundary:
-            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], CLIP)
-            opt.step()
-            opt.zero_grad()
-    state = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
-    return losses, state
 
 
 def _parity(rank: int, world: int, ks: list[int], precisions: list[str]) -> dict:
@@ -69,7 +50,7 @@ def _parity(rank: int, world: int, ks: list[int], precisions: list[str]) -> dict
     out = {"ref": reference(rank, copy.deepcopy(init), data)}
     for precision in precisions:
         for k in ks:
-            out[("hsdp", k, precision)] = _hsdp(copy.deepcopy(init), data, k, precision)
+            out[("hsdp", k, precision)] = fsdp2_run(copy.deepcopy(init), data, precision, k=k)
             for stage in (1, 2, 3):
                 out[(stage, k, precision)] = zero_run(copy.deepcopy(init), data, stage, precision, shard_group_size=k)
     return out

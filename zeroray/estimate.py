@@ -35,7 +35,8 @@ them, each the largest flat group's shard: give ``largest_unit`` (elements of th
 unit, e.g. 12·d² for a transformer block, or the embedding's vocabulary × d) to count them.
 
 ``offloaded`` is ``host + nvme``. Not counted: model buffers, activations, the reduce buckets'
-temporaries and the step's transient fp32 copy of one sub-group's gradients.
+temporaries and the step's transient fp32 copy of 16-bit gradients (at most 2**27 elements at a time,
+512 MB, see ``zeroray.engine.sharded_optim.CAST_RUN``).
 """
 
 from __future__ import annotations

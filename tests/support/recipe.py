@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zeroray
@@ -124,3 +125,36 @@ def zero_run(
     state = engine.full_state_dict()
     engine.close()
     return losses, state, norms
+
+
+def fsdp2_run(
+    model: torch.nn.Module, data: list, precision: str, k: int | None = None, compile_blocks: bool = False
+) -> tuple[list[float], dict]:
+    """The recipe through FSDP2, the yardstick of the parity tests: each block of ``model.h`` and the root
+    ``fully_shard``-ed, over all ranks, or HSDP on a (world/k, k) mesh; ``compile_blocks``: each block
+    compiled first (torchtitan's per-block compile). The losses and the final (full) weights."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world // k, k), mesh_dim_names=("replicate", "shard")) if k else None
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
+    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
+    for blk in model.h:
+        if compile_blocks:
+            blk.compile()
+        fully_shard(blk, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    opt = optimizer(model)
+    losses = []
+    for i, (x, y) in enumerate(data):
+        boundary = (i + 1) % GAS == 0
+        model.set_requires_gradient_sync(boundary)
+        loss = model(x, y)
+        (loss / GAS).backward()
+        losses.append(loss.item())
+        if boundary:
+            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], CLIP)
+            opt.step()
+            opt.zero_grad()
+    return losses, {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}

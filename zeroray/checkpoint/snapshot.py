@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from zeroray.checkpoint.reader import install
-from zeroray.engine import Comm, ZeroEngine, layout
+from zeroray.engine import Comm, ZeroEngine, layout, names
 
 _ALIGN = 64  # bytes: every tensor of a snapshot starts aligned, so a byte view can be viewed as its dtype
 
@@ -90,7 +90,7 @@ def take(engine: ZeroEngine, group_id: str) -> Snapshot:
     for gs in engine.shard_state():
         groups.append(GroupLayout(gs.name, tuple(gs.slots), gs.numel, gs.shard_world))
         tensors += [("shard", gs.name, key, gs.tensors[key]) for key in sorted(gs.tensors)]
-    tensors += [("buffer", name, "", b) for name, b in engine.module.named_buffers()]
+    tensors += [("buffer", name, "", b) for name, b in names.named_buffers(engine.module)]
     tensors.append(("rng", "cpu", "", torch.get_rng_state()))
     if engine.device.type == "cuda":
         tensors.append(("rng", "cuda", "", torch.cuda.get_rng_state(engine.device)))

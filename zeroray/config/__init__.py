@@ -5,6 +5,7 @@
 
 from zeroray.config.zero_config import (
     CommConfig,
+    CompileConfig,
     ConfigError,
     LossScaleConfig,
     OffloadConfig,
@@ -16,6 +17,7 @@ from zeroray.config.zero_config import (
 
 __all__ = [
     "CommConfig",
+    "CompileConfig",
     "ConfigError",
     "LossScaleConfig",
     "OffloadConfig",

@@ -60,6 +60,12 @@ def _size_or_off(*off: int) -> Callable[[Any], Any]:
     return convert
 
 
+def _negate(v: Any) -> Any:
+    if not isinstance(v, bool):
+        raise _Bad(f"must be true or false, got {v!r}")
+    return not v
+
+
 def _number(v: Any) -> Any:
     return float(v) if isinstance(v, int) and not isinstance(v, bool) else v
 
@@ -223,7 +229,17 @@ TABLE: dict[str, Entry] = {
     "aio.overlap_events": Ignored("a libaio detail; zeroray always overlaps swap reads and writes with the step"),
     "aio.use_gds": Refused("GPUDirect Storage is not implemented"),
     "autotuning": Ignored("zeroray has no autotuner; the config is used as written"),
-    "compile": Ignored("zeroray does not compile the model; call torch.compile yourself"),
+    "compile.deepcompile": Field(
+        "compile.enabled", note="true = torch.compile of each unit, the engine's hooks around it (not DeepCompile's passes)"
+    ),
+    "compile.disable": Field("compile.enabled", _negate, note="DeepSpeed's older spelling: false = compile each unit"),
+    "compile.backend": Field("compile.backend", note="torch.compile's backend"),
+    "compile.kwargs": Field("compile.kwargs", _copy, note="torch.compile's mode, fullgraph, dynamic, options"),
+    **{
+        f"compile.{k}": Ignored("a DeepCompile graph pass; zeroray compiles each unit and runs its own hooks around it")
+        for k in ("free_activation", "free_activation_threshold", "offload_activation", "offload_opt_states",
+                  "double_buffer", "symmetric_memory", "dump_graphs")
+    },
     "graph_harvesting": Ignored("CUDA-graph knob of DeepSpeed's engine; no effect on numerics"),
     "optimizer.legacy_fusion": Ignored("DeepSpeed kernel choice; no effect on numerics"),
     "fp16.auto_cast": Ignored("zeroray does not cast the model's inputs; cast them to fp16 yourself"),

@@ -213,8 +213,44 @@ class OffloadIOConfig:
         yield from _flag("offload_io.direct_io", self.direct_io)
 
 
+# torch.compile modes that capture CUDA graphs: they need every parameter at a fixed address.
+CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
+@dataclass(frozen=True)
+class CompileConfig:
+    """torch.compile of each unit (each block; the same modules stage 3 shards by), as FSDP2 + torchtitan
+    compile: the engine's gathers, frees and reductions stay in eager hooks around the compiled blocks.
+
+    ``backend``: torch.compile's backend; ``kwargs``: torch.compile's other arguments (``mode``,
+    ``fullgraph``, ``dynamic``, ``options``). At stage 3, modes that capture CUDA graphs are refused:
+    the gathers put the parameters at a new address each step."""
+
+    enabled: bool = False
+    backend: str = "inductor"
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def problems(self, stage: Any) -> Problems:
+        yield from _flag("compile.enabled", self.enabled)
+        if not isinstance(self.backend, str) or not self.backend:
+            yield "compile.backend", f"must be a torch.compile backend name, got {self.backend!r}"
+        if not isinstance(self.kwargs, dict):
+            yield "compile.kwargs", f"must be a dict of torch.compile arguments, got {self.kwargs!r}"
+            return
+        known = ("mode", "fullgraph", "dynamic", "options")
+        for key in self.kwargs:
+            if key not in known:
+                yield f"compile.kwargs.{key}", f"is not a torch.compile argument zeroray passes on (one of {', '.join(known)})"
+        if self.enabled and stage == 3 and self.kwargs.get("mode") in CUDAGRAPH_MODES:
+            yield "compile.kwargs.mode", (
+                f"{self.kwargs['mode']!r} captures CUDA graphs, which need fixed parameter addresses, and stage 3 "
+                f"gathers parameters into new memory each step; use 'default' or 'max-autotune-no-cudagraphs'"
+            )
+
+
 _SUB = {
     "comm": CommConfig,
+    "compile": CompileConfig,
     "loss_scaling": LossScaleConfig,
     "offload_optimizer": OffloadConfig,
     "offload_param": OffloadConfig,
@@ -260,6 +296,8 @@ class ZeroConfig:
     # 1/h of its parameters, gathered in backward from the h ranks of its node. None or 1: off; "auto": the
     # ranks of one node (ZeroTrainer). Must divide shard_group_size (or the world size).
     hpz_partition_size: int | str | None = None
+    # torch.compile of each unit, the engine's hooks around them (see CompileConfig).
+    compile: CompileConfig = field(default_factory=CompileConfig)
 
     def __post_init__(self) -> None:
         problems: list[tuple[str, str]] = []
@@ -308,6 +346,10 @@ class ZeroConfig:
                 yield from sub.problems()
             else:
                 yield name, f"must be a {_SUB[name].__name__} or a dict, got {sub!r}"
+        if isinstance(self.compile, CompileConfig):
+            yield from self.compile.problems(self.stage)
+        else:
+            yield "compile", f"must be a CompileConfig or a dict, got {self.compile!r}"
         for name in ("offload_optimizer", "offload_param"):
             sub = getattr(self, name)
             if isinstance(sub, OffloadConfig):

@@ -24,6 +24,7 @@ from zeroray.config import ZeroConfig
 from zeroray.config.load import ConfigArg, load_config
 from zeroray.engine import plan as unit_plan
 from zeroray.engine.comm import Comm
+from zeroray.engine.compiled import compile_units
 from zeroray.engine.flat_group import FlatGroup
 from zeroray.engine.gather_check import GatherCheck
 from zeroray.engine.gather_pool import GatherPool
@@ -189,6 +190,8 @@ def build_engine(
         scheduler = UnitScheduler(model, root, hooked, config.comm.prefetch_bucket_size, read_ahead)
         hooked = [root, *hooked]
         guard = ParamGuard(model, groups, {g: u.name for u in hooked for g in u.groups})
+    if config.compile.enabled:  # each block compiled, the hooks above around it
+        compile_units(units or unit_plan.find_units(model, config.units), config.compile)
     # Stage 3 with trim_host_heap: the C heap's free pages go back to the OS after each unit's
     # backward (a no-op where the C library is not glibc).
     heap_trimmer = HeapTrimmer() if config.trim_host_heap and config.sharding.shards_params else None

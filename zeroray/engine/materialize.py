@@ -39,6 +39,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from zeroray.engine import names as tensor_names
+
 InitFn = Callable[[nn.Module], None]
 # Called with a materialized tensor once the last module holding it was initialized; returns True
 # to keep it (the tensor stays as it is), False to drop its storage.
@@ -104,7 +106,7 @@ class MetaInit:
 
     def __init__(self, model: nn.Module, init_fn: InitFn | None, loaded: Collection[str] = ()):
         self.init_fn = init_fn
-        named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+        named = [*tensor_names.named_parameters(model, remove_duplicate=False), *tensor_names.named_buffers(model, remove_duplicate=False)]
         skip = {id(t) for n, t in named if n in set(loaded)}
         self.holders: list[_Holder] = []
         for name, m in model.named_modules():
@@ -115,13 +117,13 @@ class MetaInit:
         self.last: dict[int, int] = {id(t): i for i, h in enumerate(self.holders) for t in h.tensors if t.is_meta}
         # The meta tensors an initializer writes (those not loaded afterwards), by name.
         ids = {id(t) for h in self.holders if h.initialize for t in h.tensors if t.is_meta and id(t) not in skip}
-        self.initialized: list[str] = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if id(t) in ids]
+        self.initialized: list[str] = [n for n, t in [*tensor_names.named_parameters(model), *tensor_names.named_buffers(model)] if id(t) in ids]
         if init_fn is None:
             self._refuse_unreachable(model, skip)
 
     def _refuse_unreachable(self, model: nn.Module, skip: set[int]) -> None:
         reached = {id(t) for h in self.holders if callable(getattr(h.module, "reset_parameters", None)) for t in h.tensors}
-        names = [n for n, t in [*model.named_parameters(), *model.named_buffers()]
+        names = [n for n, t in [*tensor_names.named_parameters(model), *tensor_names.named_buffers(model)]
                  if t.is_meta and id(t) not in reached and id(t) not in skip]
         if names:
             shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from zeroray.engine.compiled import outside_graph
 from zeroray.engine.flat_group import FlatGroup, ParamState
 
 # Properties are metadata (shape, dtype, grad, is_* flags, ...) except these, which hand out the values.
@@ -102,7 +103,7 @@ class _Guarded:
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Sequence = (), kwargs: dict | None = None) -> Any:
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():  # see zeroray.engine.compiled
             return super().__torch_function__(func, types, args, kwargs or {})  # type: ignore[misc]
         for a in (*args, *(kwargs or {}).values()):
             for t in a if isinstance(a, (list, tuple)) else (a,):
@@ -138,8 +139,8 @@ class ParamGuard:
                 self._hooks.append(module.register_state_dict_pre_hook(partial(ParamGuard._state_dict_pre_hook, self)))
                 self._hooks.append(module.register_state_dict_post_hook(partial(ParamGuard._state_dict_hook, self)))
                 self._hooks.append(module.register_load_state_dict_pre_hook(self._load_hook))
-        self._hooks.append(model.register_forward_pre_hook(torch._dynamo.disable(self._enter_forward)))
-        self._hooks.append(model.register_forward_hook(torch._dynamo.disable(self._leave_forward), always_call=True))
+        self._hooks.append(model.register_forward_pre_hook(outside_graph(self._enter_forward, "start of forward")))
+        self._hooks.append(model.register_forward_hook(outside_graph(self._leave_forward, "end of forward"), always_call=True))
 
     def _sharded(self, module: nn.Module, prefix: str) -> list[tuple[str, nn.Parameter, _Owner]]:
         return [

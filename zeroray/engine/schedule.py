@@ -27,11 +27,10 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from zeroray.engine.compiled import outside_graph
 from zeroray.engine.flat_group import FlatGroup, ParamState
 from zeroray.engine.saved_views import SavedViews
 from zeroray.engine.unit import TrainingState, Unit
-
-_eager = torch._dynamo.disable
 
 
 def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
@@ -68,18 +67,22 @@ class UnitScheduler:
         self._bwd_pos = 0
         self._root_views = SavedViews()
         self._hooks: list[RemovableHandle] = [
-            model.register_forward_pre_hook(_eager(self._root_pre)),
-            model.register_forward_hook(_eager(self._stop_watching), always_call=True),  # also when it raises
-            model.register_forward_hook(_eager(self._root_post)),
+            model.register_forward_pre_hook(outside_graph(self._root_pre, "gather of the root unit")),
+            # (also when the forward raises)
+            model.register_forward_hook(outside_graph(self._stop_watching, "end of forward"), always_call=True),
+            model.register_forward_hook(outside_graph(self._root_post, "end of forward")),
         ]
         root_params = {p for g in root.groups for p in g.params}
         unit_modules = {m for u in self.units for m in u.module.modules()}
-        for m in model.modules():
+        for name, m in model.named_modules():
             if m not in unit_modules and any(p in root_params for p in m.parameters(recurse=False)):
-                self._hooks.append(m.register_forward_pre_hook(_eager(self._root_module_pre)))
+                check = outside_graph(self._root_module_pre, f"root-unit check of {name or 'the model'}")
+                self._hooks.append(m.register_forward_pre_hook(check))
         for unit in self.units:
-            self._hooks.append(unit.module.register_forward_pre_hook(_eager(partial(self._pre_forward, unit))))
-            self._hooks.append(unit.module.register_forward_hook(_eager(partial(self._post_forward, unit))))
+            self._hooks.append(unit.module.register_forward_pre_hook(
+                outside_graph(partial(self._pre_forward, unit), f"gather of unit {unit.name!r}")))
+            self._hooks.append(unit.module.register_forward_hook(
+                outside_graph(partial(self._post_forward, unit), f"free of unit {unit.name!r}")))
 
     @property
     def all_units(self) -> list[Unit]:

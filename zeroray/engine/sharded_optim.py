@@ -36,6 +36,11 @@ from zeroray.engine.sub_groups import ParamSlice, SubGroup, plan_sub_groups
 if TYPE_CHECKING:
     from zeroray.engine.offload.home import Fill, StateHome
 
+# Lazy fp32 gradients (16-bit gradient shards on the device) are made for at most this many elements at
+# once: a sub-group is stepped in runs of pieces that fit, so the step's transient is 512 MB whatever the
+# sub_group_size (DeepSpeed's default 1e9 would make it 4 GB). Elementwise optimizers give the same bits.
+CAST_RUN = 1 << 27
+
 OptimizerArg = torch.optim.Optimizer | Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None
 
 
@@ -137,12 +142,12 @@ class GradShards:
     def __init__(self, groups: Sequence[FlatGroup], source: Callable[[FlatGroup], torch.Tensor], lazy: bool):
         self.groups = groups
         self._source = source
-        self._lazy = lazy
+        self.lazy = lazy
         self._factors: list[float | torch.Tensor] = []
         self._eager = {} if lazy else {g: source(g) for g in groups}
 
     def scale_(self, factor: float | torch.Tensor) -> None:
-        if self._lazy:
+        if self.lazy:
             self._factors.append(factor)
         else:
             for t in self._eager.values():
@@ -156,10 +161,10 @@ class GradShards:
     def each(self) -> Iterator[torch.Tensor]:
         """Each group's scaled fp32 gradients (lazy: a temporary at a time)."""
         for g in self.groups:
-            yield self._eager[g] if not self._lazy else self._made(self._source(g))
+            yield self._eager[g] if not self.lazy else self._made(self._source(g))
 
     def piece(self, g: FlatGroup, lo: int, hi: int) -> torch.Tensor:
-        if not self._lazy:
+        if not self.lazy:
             return self._eager[g][lo:hi]
         return self._made(self._source(g, lo, hi))
 
@@ -188,6 +193,7 @@ class ShardedOptimizer:
     ):
         self.groups = [g for g in groups if g.trainable]
         self.home = home
+        self.cast_run = CAST_RUN
         plan = plan_sub_groups(self.groups, sub_group_size)
         home.attach(self.groups)
         per_group: list[list[nn.Parameter]] = [[] for _ in template.param_groups]
@@ -221,14 +227,32 @@ class ShardedOptimizer:
         gradient on some rank; the others get none, so the torch optimizer skips them (no decay, no
         moment update, no step counted), as it does under DDP. None: every parameter got one."""
         for sub, _ in self.home.cycle(self.sub_groups, self.optimizer):
-            for piece in sub.pieces:
-                if piece.index is None or (used is not None and not used[piece.group][piece.index]):
-                    continue
-                piece.param.grad = grads.piece(piece.group, piece.lo, piece.hi)
-            self.optimizer.step()
-            for piece in sub.pieces:
-                piece.param.grad = None
+            for run in self._runs(sub, grads):
+                for piece in run:
+                    if piece.index is None or (used is not None and not used[piece.group][piece.index]):
+                        continue
+                    piece.param.grad = grads.piece(piece.group, piece.lo, piece.hi)
+                self.optimizer.step()
+                for piece in run:
+                    piece.param.grad = None
             self.home.publish(sub)
+
+    def _runs(self, sub: SubGroup, grads: GradShards) -> Iterator[tuple[ParamSlice, ...]]:
+        """``sub``'s pieces in runs stepped together: all at once, unless the gradients are made lazily (a
+        fp32 copy per piece), then runs of at most :attr:`cast_run` elements (a larger piece alone)."""
+        if not grads.lazy:
+            yield sub.pieces
+            return
+        run: list[ParamSlice] = []
+        size = 0
+        for piece in sub.pieces:
+            if run and size + piece.numel > self.cast_run:
+                yield tuple(run)
+                run, size = [], 0
+            run.append(piece)
+            size += piece.numel
+        if run:
+            yield tuple(run)
 
     @property
     def publishes_shards(self) -> bool:

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from zeroray.config import ZeroConfig
+from zeroray.config import CompileConfig, ZeroConfig
 from zeroray.config.load import load_config
 from zeroray.train.worker import recovery
 from zeroray.train.worker.context import get_session
@@ -27,6 +27,7 @@ def prepare(
     init_fn: Callable[[torch.nn.Module], None] | None = None,
     pretrained: str | None = None,
     pretrained_key_map: Any = None,
+    compile: bool | dict[str, Any] | CompileConfig | None = None,
 ) -> Any:
     """Move ``model`` to this rank's device and return ``zeroray.initialize(model, optimizer, config)``.
 
@@ -51,6 +52,11 @@ def prepare(
     Hugging Face does for missing keys; rank 0 logs their names. ``init_fn`` is needed only where a
     tensor the file lacks sits in a module without ``reset_parameters()`` (e.g. a rotary embedding's
     non-persistent ``inv_freq``: HF's ``model._init_weights``).
+
+    ``compile``: torch.compile each block (the trainer config's ``compile`` otherwise): True, a
+    ``CompileConfig``, or its fields as a dict (``{"kwargs": {"mode": "max-autotune-no-cudagraphs"}}``,
+    enabled unless it says ``"enabled": False``). The engine's gathers and reductions run around the
+    compiled blocks, at every stage.
     """
     session = get_session("prepare()")
     if session.engine is not None:
@@ -75,6 +81,8 @@ def prepare(
     else:
         model.to(device)
     config, nodes = _topology(session, model, optimizer)
+    if compile is not None:
+        config = dataclasses.replace(config, compile=compile_config(compile))
     engine = initialize(
         model,
         optimizer=optimizer,
@@ -114,6 +122,17 @@ def _topology(session: Any, model: torch.nn.Module, optimizer: Any) -> tuple[Zer
     if autos:
         config = dataclasses.replace(config, **dict.fromkeys(autos, ranks_per_node(nodes)))
     return config, nodes
+
+
+def compile_config(value: bool | dict[str, Any] | CompileConfig) -> CompileConfig:
+    """``zt.prepare(compile=...)`` as a CompileConfig."""
+    if isinstance(value, CompileConfig):
+        return value
+    if isinstance(value, bool):
+        return CompileConfig(enabled=value)
+    if isinstance(value, dict):
+        return CompileConfig(**{"enabled": True, **value})
+    raise TypeError(f"zt.prepare(compile=...) takes True/False, a CompileConfig or a dict of its fields, got {value!r}")
 
 
 def ranks_per_node(nodes: list[str]) -> int:
