@@ -77,3 +77,40 @@ def test_trainer_run_matches_torch_multiprocessing(ray_cluster, tmp_path):
     # Stage 3: a rank persistently holds about half of the fp32 parameters, not all of them.
     assert result.memory_by_rank[0]["params"] < 0.75 * n_params * 4
     assert_nothing_left("engine-parity")
+
+
+def _graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"].get("unique_graphs", 0)
+
+
+def _compiled_trainer_loop():
+    model, opt = _model_and_optimizer()
+    engine = zt.prepare(model, opt, compile=True)
+    rank = zt.get_context().get_world_rank()
+    _train(engine, rank, lambda loss: zt.report({"loss": loss, "graphs": _graphs()}))
+
+
+def _compiled_mp_worker(rank: int, world: int) -> list[float]:
+    model, opt = _model_and_optimizer()
+    engine = zeroray.initialize(model, opt, config={**DS_CONFIG, "compile": {"deepcompile": True}})
+    losses: list[float] = []
+    _train(engine, rank, losses.append)
+    return losses
+
+
+def test_prepare_compile_compiles_each_block_once_as_the_deepspeed_compile_block_does(ray_cluster, tmp_path):
+    """``zt.prepare(compile=True)`` under ZeroTrainer and DeepSpeed's ``compile`` block under multiprocessing:
+    the same compiled blocks, the same losses; one graph (TinyLM's blocks are alike), none after."""
+    result = ZeroTrainer(
+        _compiled_trainer_loop,
+        zero_config=DS_CONFIG,
+        scaling_config=ScalingConfig(num_workers=2),
+        run_config=RunConfig(name="engine-compile", storage_path=str(tmp_path), progress_bar=False),
+    ).fit()
+    reference = run_ranks(_compiled_mp_worker, 2)[0]
+    history = result.metrics_history[:STEPS]
+    assert [h["graphs"] for h in history] == [1] * STEPS
+    torch.testing.assert_close(torch.tensor([h["loss"] for h in history]), torch.tensor(reference), rtol=1e-6, atol=1e-7)
+    assert_nothing_left("engine-compile")
