@@ -187,7 +187,8 @@ class RankActor:
                 timed_out=is_collective_timeout(e),
             )
             _leave_failed_group(session, self.failure.message)
-            keep_live_state(session)  # after leaving: the peers learn of the failure first
+            if self.failure.secondary:  # a peer failed: this rank is kept, and its state may serve the next group
+                keep_live_state(session)  # after leaving: the peers learn of the failure first
         finally:
             self.done = True
 
