@@ -137,7 +137,8 @@ def take(engine: ZeroEngine, group_id: str, live: bool = False) -> Snapshot:
 
 @dataclass
 class SnapshotStore:
-    """This process's snapshots (its own and its buddies' copies), by (group id, step, rank).
+    """This process's snapshots (its own, its buddies' copies, its live state after a failure), by (group id,
+    step, rank).
     ``saved_step``: the newest step this process's groups saved to storage, so a restart knows whether
     a checkpoint there may be newer than the snapshots."""
 
@@ -282,7 +283,7 @@ class _Ask:
 def restore(engine: ZeroEngine, comm: Comm, store: SnapshotStore, choice: Choice) -> None:
     """Collective: load ``choice`` into ``engine`` at this group's world size and stage, from the ranks' host
     memory. Counters, loss scale, LR scheduler and buffers as saved; RNG state as saved at the same world
-    size, else reseeded (as a checkpoint load does)."""
+    size by the same rank at a report, else reseeded (as a checkpoint load does)."""
     asks, dests = [], []  # what this rank needs, and where each piece goes (a byte view)
 
     def ask(rank: int, kind: str, name: str, key: str, lo: int, dest: torch.Tensor) -> None:
