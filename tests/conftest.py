@@ -60,3 +60,13 @@ def s3() -> Iterator[dict[str, Any]]:
 
     with moto_bucket() as bucket:
         yield bucket
+
+
+@pytest.fixture
+def needs_namespaces() -> None:
+    """Skip, naming why, where the emulated multi-node cluster (tests/support/netcluster.py) cannot be made."""
+    from tests.support.netcluster import unavailable
+
+    why = unavailable()
+    if why:
+        pytest.skip(f"no emulated cluster here: {why}")

@@ -29,7 +29,9 @@ from pathlib import Path
 import pytest
 import torch
 
-GLOBAL_BATCH, MICRO, STEPS, CHECKPOINT_EVERY = 24, 2, 16, 4
+from tests.support import elastic
+
+STEPS, CHECKPOINT_EVERY = 16, 4
 HOLDS = {"2": 5, "3": 10}  # world size -> global step at which that group holds until it is replaced
 # Parameters and losses of a resized run against a fixed-size one: the same math, the sums in another order
 # (gradients reduced over 2 or 3 ranks and 3 or 4 micro-batches), so equal up to fp32 rounding.
@@ -40,42 +42,18 @@ NODE_LOSS_BOUND_S = 20.0
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
-def _data() -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(STEPS * GLOBAL_BATCH, 8, generator=g)
-    return x, torch.sin(x.sum(dim=1, keepdim=True))
-
-
-def _model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-
-
-def _optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=1e-2)
-
-
 def _elastic_loop(config):
-    import torch.distributed as dist
-
     import zeroray.train as zt
 
     ctx = zt.get_context()
-    model = _model()
-    engine = zt.prepare(model, _optimizer(model))
-    x, y = _data()
+    m = elastic.model()
+    engine = zt.prepare(m, elastic.optimizer(m))
+    x, y = elastic.data(STEPS)
     control = Path(config["control"])
     while engine.global_step < STEPS:
         step = engine.global_step
-        total = torch.zeros(())
-        for micro in range(engine.gradient_accumulation_steps):
-            idx = list(ctx.sample_indices(step, micro))
-            loss = ((engine(x[idx]) - y[idx]) ** 2).mean()
-            engine.backward(loss)
-            engine.step()
-            total += loss.detach() * len(idx)
-        dist.all_reduce(total)
-        zt.report({"loss": total.item() / GLOBAL_BATCH, "step": step + 1, "world": ctx.get_world_size()},
+        loss = elastic.train_step(engine, ctx, x, y)
+        zt.report({"loss": loss, "step": step + 1, "world": ctx.get_world_size()},
                   checkpoint=(step + 1) % CHECKPOINT_EVERY == 0)
         if HOLDS.get(str(ctx.get_world_size())) == engine.global_step:
             if ctx.get_world_rank() == 0:
@@ -91,7 +69,6 @@ def _elastic_loop(config):
 def _drive(address: str, out: Path, recovery: str) -> None:
     """The subprocess driver: the elastic fit, then what it recorded and whether anything was left behind."""
     import ray
-    from ray.util.placement_group import placement_group_table
 
     from zeroray.train import FailureConfig, RunConfig, ScalingConfig, ZeroTrainer
 
@@ -100,25 +77,17 @@ def _drive(address: str, out: Path, recovery: str) -> None:
     result = ZeroTrainer(
         _elastic_loop,
         train_loop_config={"control": str(control)},
-        zero_config={"train_batch_size": GLOBAL_BATCH, "train_micro_batch_size_per_gpu": MICRO,
+        zero_config={"train_batch_size": elastic.GLOBAL_BATCH, "train_micro_batch_size_per_gpu": elastic.MICRO,
                      "zero_optimization": {"stage": 3}},
         scaling_config=ScalingConfig(num_workers=(1, 4), elastic_resize_monitor_interval_s=1.0),
         run_config=RunConfig(name="elastic", storage_path=str(out / "runs"), progress_bar=False,
                              failure_config=FailureConfig(max_failures=2, collective_timeout_s=30,
                                                           snapshot_interval=1 if recovery == "memory" else 0)),
     ).fit()
-    deadline = time.monotonic() + 30
-    while True:
-        actors = [a for a in ray.util.list_named_actors(all_namespaces=True) if "zeroray:elastic:" in str(a)]
-        pgs = [p for p in placement_group_table().values()
-               if p["name"].startswith("zeroray:elastic") and p["state"] != "REMOVED"]
-        if (not actors and not pgs) or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
     (out / "result.json").write_text(json.dumps({
         "attempts": [a.as_dict() for a in result.attempt_history],
         "history": result.metrics_history,
-        "left": {"actors": [str(a) for a in actors], "pgs": [p["name"] for p in pgs]},
+        "left": elastic.left_behind("elastic"),
     }, default=str))
     ray.shutdown()
 
@@ -130,17 +99,6 @@ HEALTH_CHECK_CONFIG = {
     "health_check_timeout_ms": 1000,
     "health_check_failure_threshold": 3,
 }
-
-
-def _spoil_checkpoints(runs: Path) -> list[str]:
-    """Overwrite every file of every checkpoint but its manifest with zeros (same sizes, so a listing still
-    finds them valid; reading any byte range fails its checksum). Returns the spoiled files."""
-    spoiled = []
-    for f in sorted(runs.glob("elastic/checkpoint_*/*")):
-        if f.name != "manifest.json":
-            f.write_bytes(bytes(f.stat().st_size))
-            spoiled.append(str(f))
-    return spoiled
 
 
 def _host(out: Path, recovery: str) -> None:
@@ -161,10 +119,10 @@ def _host(out: Path, recovery: str) -> None:
             proc = subprocess.Popen([sys.executable, "-m", "tests.test_elastic_cluster", "drive", cluster.address,
                                      str(out), recovery], cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
             try:
-                _wait_for(control / "held-2-5", proc)  # 2 nodes: a group of 2 (max 4), held at step 5
+                elastic.wait_for(control / "held-2-5", proc)  # 2 nodes: a group of 2 (max 4), held at step 5
                 third = cluster.add_node(num_cpus=1)  # -> grows to 3 at the next check, from a recovery point at 5
-                _wait_for(control / "held-3-10", proc)
-                spoiled = _spoil_checkpoints(out / "runs") if recovery == "memory" else []
+                elastic.wait_for(control / "held-3-10", proc)
+                spoiled = elastic.spoil_checkpoints(out / "runs") if recovery == "memory" else []
                 removed_at = time.time()
                 cluster.remove_node(third, allow_graceful=False)  # a node lost without warning, its rank with it
                 (out / "host.json").write_text(json.dumps({"removed": third.node_id, "removed_at": removed_at,
@@ -178,32 +136,6 @@ def _host(out: Path, recovery: str) -> None:
         for node in list(cluster.worker_nodes):
             cluster.remove_node(node, allow_graceful=False)
         cluster.remove_node(cluster.head_node, allow_graceful=False)
-
-
-def _wait_for(path: Path, proc: subprocess.Popen, timeout_s: float = 240.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not path.exists():
-        if proc.poll() is not None:
-            raise RuntimeError(f"the driver exited ({proc.returncode}) before {path.name}")
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"no {path.name} after {timeout_s:.0f}s")
-        time.sleep(0.1)
-
-
-def _reference() -> tuple[dict[str, torch.Tensor], list[float]]:
-    """The fixed-size run: one process, the whole global batch per step (what DDP at any size computes)."""
-    model = _model()
-    opt = _optimizer(model)
-    x, y = _data()
-    losses = []
-    for step in range(STEPS):
-        sl = slice(step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH)
-        loss = ((model(x[sl]) - y[sl]) ** 2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return {k: v.detach().clone() for k, v in model.named_parameters()}, losses
 
 
 # Storage recovery (the default) is what the other elastic and trainer tests restart from; across real nodes
@@ -244,19 +176,7 @@ def test_elastic_run_grows_and_shrinks_with_nodes_and_matches_a_fixed_run(tmp_pa
     assert out["left"] == {"actors": [], "pgs": []}
 
     # Parity with the fixed-size run: the last loss recorded for each step (steps 9 and 10 ran twice).
-    losses = {}
-    for entry in out["history"]:
-        if "loss" in entry:
-            losses[entry["step"]] = entry["loss"]
-    ref_params, ref_losses = _reference()
-    assert sorted(losses) == list(range(1, STEPS + 1))
-    torch.testing.assert_close(torch.tensor([losses[s] for s in range(1, STEPS + 1)]), torch.tensor(ref_losses),
-                               rtol=RTOL, atol=0)
-    final = torch.load(tmp_path / "control" / "final.pt")
-    flat = torch.cat([final[k].flatten() for k in ref_params])
-    ref = torch.cat([v.flatten() for v in ref_params.values()])
-    rel = ((flat - ref).norm() / ref.norm()).item()
-    assert rel <= RTOL, f"global relative error {rel:.2e} > {RTOL}"
+    elastic.assert_matches_reference(out["history"], torch.load(tmp_path / "control" / "final.pt"), STEPS, RTOL)
 
 
 if __name__ == "__main__":

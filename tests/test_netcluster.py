@@ -26,8 +26,9 @@ from tests.support.netcluster import (
     remove_stale,
     run_ranks,
     start_ray,
-    unavailable,
 )
+
+pytestmark = pytest.mark.usefixtures("needs_namespaces")
 
 LOOPBACK = ipaddress.ip_network("127.0.0.0/8")
 PORT = 5000  # every node is a namespace of its own: no other process holds it
@@ -53,13 +54,6 @@ with socket.create_connection((host, port), timeout=timeout) as conn:
     conn.shutdown(socket.SHUT_WR)
     print(conn.recv(100).decode())
 """
-
-
-@pytest.fixture(autouse=True)
-def _needs_namespaces() -> None:
-    why = unavailable()
-    if why:
-        pytest.skip(f"no emulated cluster here: {why}")
 
 
 @pytest.fixture

@@ -11,7 +11,9 @@ import json
 
 import pytest
 
-from tests.support.netcluster import NetCluster, start_ray, unavailable
+from tests.support.netcluster import NetCluster, start_ray
+
+pytestmark = pytest.mark.usefixtures("needs_namespaces")
 
 DRIVER = """
 import json, os, sys, time
@@ -69,13 +71,6 @@ try:
 except TrainingFailedError as e:
     print(json.dumps({"ok": False, "error": str(e)}))
 """
-
-
-@pytest.fixture(autouse=True)
-def _needs_namespaces() -> None:
-    why = unavailable()
-    if why:
-        pytest.skip(f"no emulated cluster here: {why}")
 
 
 @pytest.mark.timeout(600)

@@ -16,12 +16,13 @@ from zeroray.engine import ZeroEngine, layout
 
 
 def make_engine(stage: int, seed: int = 0, device: str | torch.device = "cpu", process_group: Any = None,
-                **model_kw: Any) -> ZeroEngine:
+                shard_group_size: int | None = None, **model_kw: Any) -> ZeroEngine:
     """TinyLM on ``device`` with the recipe's AdamW over two param groups and clipping, no accumulation, and
-    a StepLR schedule, on ``process_group`` (default: WORLD)."""
+    a StepLR schedule, on ``process_group`` (default: WORLD), hybrid over ``shard_group_size`` ranks if given."""
     torch.manual_seed(seed)
     model = TinyLM(**model_kw).to(device)
-    cfg = zeroray.ZeroConfig(stage=stage, comm={"reduce_bucket_size": 500}, gradient_clipping=CLIP)
+    cfg = zeroray.ZeroConfig(stage=stage, comm={"reduce_bucket_size": 500}, gradient_clipping=CLIP,
+                             shard_group_size=shard_group_size)
     return zeroray.initialize(
         model,
         optimizer(model),

@@ -6,15 +6,23 @@ buffer (:func:`take`) and sends a copy to its *buddy*, a rank on another node (:
 shard is then held twice, on two nodes. The copies live in a :class:`SnapshotStore`, which outlives the
 group (a rank actor keeps it from one group to the next).
 
+**Recovery from replicas.** Under hybrid sharding every shard already lives on the N/k ranks of its mesh
+column (``Topology.replica_ranks``), one per replica group, so a lost node leaves a live copy of each of its
+shards elsewhere. When a group fails, each surviving rank copies its live state (:func:`take` with
+``live=True``: no collective, the group is broken) if that state is a completed optimizer step (the engine is
+not ``mid_update``); a header names the ranks whose shards it also stands for (``replicas``).
+
 A (re)started group, at any world size, rebuilds its state from what its ranks hold. The ranks agree on
-the newest step of which some rank still holds every shard (:func:`choose`); then each rank asks for the
-elements it owns now, with the partition arithmetic a checkpoint load uses (``layout.pieces``,
+the newest step of which their snapshots cover every old rank, a rank covered by its own snapshot or by one
+of a replica (:func:`choose`); snapshots of different steps or groups are never mixed. Then each rank asks for
+the elements it owns now, with the partition arithmetic a checkpoint load uses (``layout.pieces``,
 ``layout.owners``), and the holders answer with one message per pair of ranks (:func:`restore`). When a
 shard has no copy left there is no complete snapshot, and the caller loads from storage instead.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import pickle
 from collections.abc import Hashable, Sequence
@@ -25,6 +33,8 @@ import torch
 
 from zeroray.checkpoint.reader import install
 from zeroray.engine import Comm, ZeroEngine, layout, names
+
+logger = logging.getLogger(__name__)
 
 _ALIGN = 64  # bytes: every tensor of a snapshot starts aligned, so a byte view can be viewed as its dtype
 
@@ -59,7 +69,9 @@ class GroupLayout:
 @dataclass(frozen=True)
 class Header:
     """A snapshot without its bytes: what ranks exchange to agree on a step and to ask for ranges.
-    ``group_id`` names the group that took it (two groups may snapshot the same step)."""
+    ``group_id`` names the group that took it (two groups may snapshot the same step). ``replicas``: the
+    ranks of that group whose shards this snapshot holds too (``rank`` alone unless hybrid); ``live``: taken
+    from a failed group's live state (no RNG state: the step was cut short), not at a report."""
 
     group_id: str
     step: int
@@ -69,6 +81,8 @@ class Header:
     entries: tuple[Entry, ...]
     meta: dict[str, Any]
     nbytes: int
+    replicas: tuple[int, ...]
+    live: bool
 
 
 @dataclass(frozen=True)
@@ -83,17 +97,23 @@ class Snapshot:
         return self.data[e.offset + lo : e.offset + (e.nbytes if hi is None else hi)]
 
 
-def take(engine: ZeroEngine, group_id: str) -> Snapshot:
-    """Copy this rank's part of ``engine``'s state into one host buffer (device to host on a GPU)."""
+def take(engine: ZeroEngine, group_id: str, live: bool = False) -> Snapshot:
+    """Copy this rank's part of ``engine``'s state into one host buffer (device to host on a GPU). ``live``:
+    the group failed, maybe inside a step: the state must be a completed step (checked), its RNG state is
+    left out and its micro-step count set to the step's start (partial accumulations are not kept)."""
+    if engine.mid_update:
+        raise RuntimeError(f"zeroray: rank {engine.rank}'s state is inside an optimizer step or a load; no snapshot "
+                           "of it is a completed step")
     tensors: list[tuple[str, str, str, torch.Tensor]] = []
     groups = []
     for gs in engine.shard_state():
         groups.append(GroupLayout(gs.name, tuple(gs.slots), gs.numel, gs.shard_world))
         tensors += [("shard", gs.name, key, gs.tensors[key]) for key in sorted(gs.tensors)]
     tensors += [("buffer", name, "", b) for name, b in names.named_buffers(engine.module)]
-    tensors.append(("rng", "cpu", "", torch.get_rng_state()))
-    if engine.device.type == "cuda":
-        tensors.append(("rng", "cuda", "", torch.cuda.get_rng_state(engine.device)))
+    if not live:
+        tensors.append(("rng", "cpu", "", torch.get_rng_state()))
+        if engine.device.type == "cuda":
+            tensors.append(("rng", "cuda", "", torch.cuda.get_rng_state(engine.device)))
     entries, pos = [], 0
     for kind, name, key, t in tensors:
         dtype = torch.float32 if kind == "shard" else t.dtype
@@ -104,16 +124,21 @@ def take(engine: ZeroEngine, group_id: str) -> Snapshot:
     with torch.no_grad():
         for e, (_, _, _, t) in zip(entries, tensors, strict=True):
             data[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape).copy_(t, non_blocking=True)
-    if engine.device.type == "cuda":
-        torch.cuda.synchronize(engine.device)
+    if engine.device.type == "cuda":  # this stream's copies only: a failed group's collectives may never end
+        torch.cuda.current_stream(engine.device).synchronize()
+    meta = engine.state_meta()
+    if live:
+        meta["micro_step"] = engine.global_step * engine.gradient_accumulation_steps
+    replicas = engine.topology.replica_ranks or (engine.rank,)
     header = Header(group_id, int(engine.global_step), engine.rank, engine.world_size, tuple(groups),
-                    tuple(entries), engine.state_meta(), pos)
+                    tuple(entries), meta, pos, tuple(replicas), live)
     return Snapshot(header, data)
 
 
 @dataclass
 class SnapshotStore:
-    """This process's snapshots (its own and its buddies' copies), by (group id, step, rank).
+    """This process's snapshots (its own, its buddies' copies, its live state after a failure), by (group id,
+    step, rank).
     ``saved_step``: the newest step this process's groups saved to storage, so a restart knows whether
     a checkpoint there may be newer than the snapshots."""
 
@@ -122,7 +147,14 @@ class SnapshotStore:
 
     def add(self, snap: Snapshot) -> None:
         h = snap.header
+        if h.live and (h.group_id, h.step, h.rank) in self.held:
+            return  # the report's snapshot of this step: the same state, with the RNG state
         self.held[(h.group_id, h.step, h.rank)] = snap
+
+    def drop_live(self, group_id: str) -> None:
+        """Drop the live snapshots of groups other than ``group_id``: once every rank of that group runs, a
+        failure of it leaves live copies at least as new."""
+        self.held = {k: v for k, v in self.held.items() if not v.header.live or k[0] == group_id}
 
     def keep_only(self, group_id: str, step: int) -> None:
         """Drop every snapshot but those of ``group_id`` at ``step``."""
@@ -176,40 +208,64 @@ def replicate(comm: Comm, store: SnapshotStore, snap: Snapshot, nodes: Sequence[
 @dataclass(frozen=True)
 class Choice:
     """The snapshot a group restores: taken by group ``group_id`` of ``world_size`` ranks at ``step``.
-    ``holders[o]``: the rank (of the new group) that serves old rank ``o``'s shard; ``headers[o]`` its header.
-    ``newest_saved``: the newest step any rank's groups saved to storage (None: none)."""
+    ``holders[o]``: the rank (of the new group) that serves old rank ``o``'s shard, from the snapshot of old
+    rank ``sources[o]`` (``o`` itself, or a replica of it); ``headers[o]`` that snapshot's header.
+    ``newest_saved``: the newest step any rank's groups saved to storage (None: none). ``live``: some
+    piece comes from a failed group's live state (a recovery from replicas)."""
 
     group_id: str
     step: int
     world_size: int
     holders: tuple[int, ...]
+    sources: tuple[int, ...]
     headers: tuple[Header, ...]
     newest_saved: int | None
+    live: bool
 
 
 def choose(comm: Comm, store: SnapshotStore) -> Choice | None:
-    """Collective: the newest snapshot of which the group's ranks hold every shard (the same answer on every
-    rank), or None."""
+    """Collective: the newest snapshot of which the group's ranks hold every old rank's shards, each from its
+    own snapshot or a replica's (the same answer on every rank), or None. Rank 0 logs the newer live sets it
+    had to pass over, and the ranks they lack."""
     gathered = comm.all_gather_object((store.headers(), store.saved_step))
     saved = [s for _, s in gathered if s is not None]
-    sets: dict[tuple[str, int], dict[int, list[tuple[int, Header]]]] = {}
+    sets: dict[tuple[str, int], list[tuple[int, Header]]] = {}  # (group, step) -> (holder, header)
     for holder, (headers, _) in enumerate(gathered):
         for h in headers:
-            sets.setdefault((h.group_id, h.step), {}).setdefault(h.rank, []).append((holder, h))
-    complete = [(step, gid) for (gid, step), ranks in sets.items()
-                if len(ranks) == next(iter(ranks.values()))[0][1].world_size]
-    if not complete:
+            sets.setdefault((h.group_id, h.step), []).append((holder, h))
+    missing = {key: set(range(held[0][1].world_size)).difference(*(h.replicas for _, h in held))
+               for key, held in sets.items()}
+    complete = [(step, gid) for (gid, step) in sets if not missing[(gid, step)]]
+    best = max(complete) if complete else None
+    if comm.rank == 0:
+        _log_passed_over(sets, missing, best)
+    if best is None:
         return None
-    step, gid = max(complete)
-    ranks = sets[(gid, step)]
+    step, gid = best
+    world = sets[(gid, step)][0][1].world_size
     load = [0] * comm.world_size  # spread the serving over the holders
     holders, headers = [], []
-    for o in range(len(ranks)):
-        holder, h = min(ranks[o], key=lambda c: (load[c[0]], c[0]))
+    for o in range(world):
+        # A rank's own snapshot first (it has the rank's RNG state), then the least busy holder.
+        holder, h = min(((holder, h) for holder, h in sets[(gid, step)] if o in h.replicas),
+                        key=lambda c: (c[1].rank != o, load[c[0]], c[0], c[1].rank))
         load[holder] += 1
         holders.append(holder)
         headers.append(h)
-    return Choice(gid, step, len(ranks), tuple(holders), tuple(headers), max(saved) if saved else None)
+    return Choice(gid, step, world, tuple(holders), tuple(h.rank for h in headers), tuple(headers),
+                  max(saved) if saved else None, any(h.live for h in headers))
+
+
+def _log_passed_over(sets: dict[tuple[str, int], list[tuple[int, Header]]], missing: dict[tuple[str, int], set[int]],
+                     best: tuple[int, str] | None) -> None:
+    """Say which live (failure-time) sets newer than the one chosen lack a shard, and what is used instead."""
+    for (gid, step), held in sorted(sets.items(), key=lambda kv: kv[0][1]):
+        if missing[(gid, step)] and any(h.live for _, h in held) and (best is None or step > best[0]):
+            instead = f"step {best[0]} in memory" if best is not None else "storage"
+            logger.warning(
+                "zeroray: no recovery from replicas at step %d: no surviving rank holds a copy of the shards of "
+                "rank(s) %s of the group that failed; resuming from %s instead", step,
+                sorted(missing[(gid, step)]), instead)
 
 
 @dataclass(frozen=True)
@@ -227,7 +283,7 @@ class _Ask:
 def restore(engine: ZeroEngine, comm: Comm, store: SnapshotStore, choice: Choice) -> None:
     """Collective: load ``choice`` into ``engine`` at this group's world size and stage, from the ranks' host
     memory. Counters, loss scale, LR scheduler and buffers as saved; RNG state as saved at the same world
-    size, else reseeded (as a checkpoint load does)."""
+    size by the same rank at a report, else reseeded (as a checkpoint load does)."""
     asks, dests = [], []  # what this rank needs, and where each piece goes (a byte view)
 
     def ask(rank: int, kind: str, name: str, key: str, lo: int, dest: torch.Tensor) -> None:
@@ -258,9 +314,11 @@ def restore(engine: ZeroEngine, comm: Comm, store: SnapshotStore, choice: Choice
         buffers[e.name] = torch.empty(e.shape, dtype=e.dtype)
         ask(0, "buffer", e.name, "", 0, buffers[e.name])
     rng = None
-    if choice.world_size == engine.world_size:  # this rank's stream goes on where the same rank left it
+    saved_rng = [e for e in choice.headers[engine.rank].entries if e.kind == "rng"] if (
+        choice.world_size == engine.world_size and choice.sources[engine.rank] == engine.rank) else []
+    if saved_rng:  # this rank's stream goes on where the same rank left it
         rng = {}
-        for e in (e for e in choice.headers[engine.rank].entries if e.kind == "rng"):
+        for e in saved_rng:
             rng[e.name] = torch.empty(e.shape, dtype=e.dtype)
             ask(engine.rank, "rng", e.name, "", 0, rng[e.name])
 
@@ -275,10 +333,11 @@ def _move(comm: Comm, store: SnapshotStore, choice: Choice, asks: list[_Ask], de
     entries: dict[int, dict[tuple[str, str, str], Entry]] = {}  # old rank -> its snapshot's entries by name
 
     def piece(a: _Ask) -> torch.Tensor:
-        snap = store.held[(choice.group_id, choice.step, a.rank)]
-        if a.rank not in entries:
-            entries[a.rank] = {(e.kind, e.name, e.key): e for e in snap.header.entries}
-        return snap.bytes_of(entries[a.rank][(a.kind, a.name, a.key)], a.lo, a.hi)
+        source = choice.sources[a.rank]
+        snap = store.held[(choice.group_id, choice.step, source)]
+        if source not in entries:
+            entries[source] = {(e.kind, e.name, e.key): e for e in snap.header.entries}
+        return snap.bytes_of(entries[source][(a.kind, a.name, a.key)], a.lo, a.hi)
 
     sends, recvs, incoming = {}, {}, {}
     for j, theirs in enumerate(everyone):

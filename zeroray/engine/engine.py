@@ -72,6 +72,9 @@ class ZeroEngine:
         self.global_step = 0  # optimizer steps taken (skipped fp16 steps included)
         self.micro_step = 0
         self.skipped_steps = 0
+        # True while step() or a load changes the state (from the loss scale to global_step): a failure then
+        # leaves weights, optimizer states and counters of different steps, which no recovery may start from.
+        self.mid_update = False
         self._backward_since_step = False  # step() without a backward is a no-op, as torch's is
         self._grad_norm: torch.Tensor | None = None  # read lazily: a float here would sync every step
         self.loss_scaler = parts.loss_scaler
@@ -175,6 +178,7 @@ class ZeroEngine:
         trainable = [g for g in self.groups if g.trainable]
         grads = self.optim.grads()
         used = self._agree_used()
+        self.mid_update = True
         if self._unscale_and_check(grads):
             self.skipped_steps += 1
         else:
@@ -189,6 +193,7 @@ class ZeroEngine:
         for g in trainable:
             g.zero_grad()
         self.global_step += 1
+        self.mid_update = False
         self._phases.stop("optimizer")
 
     def _agree_used(self) -> dict[FlatGroup, list[bool]] | None:
@@ -331,6 +336,7 @@ class ZeroEngine:
         The engine takes ownership of the optimizer-state tensors (no copy when device and dtype
         already fit): hand it tensors nobody else writes to."""
         param_scalars = self._param_scalars(meta)  # checked before anything changes
+        self.mid_update = True  # until the counters match the loaded state
         with torch.no_grad():
             for g in self.groups:
                 if not g.trainable:
@@ -338,6 +344,7 @@ class ZeroEngine:
             self.optim.load({g: tensors[g.name] for g in self.optim.groups}, self._scalars(meta), param_scalars)
             self._publish(self.groups)
         self._load_meta(meta)
+        self.mid_update = False
 
     def load_shard_stream(
         self, keys: dict[str, Sequence[str]], fill: Callable[[list[ShardRange]], None], meta: dict[str, Any]
@@ -352,6 +359,7 @@ class ZeroEngine:
         param_scalars = self._param_scalars(meta)  # checked before anything changes
         frozen = [g for g in self.groups if not g.trainable]
         weights = {g: torch.empty(g.shard_numel, dtype=torch.float32) for g in frozen}
+        self.mid_update = True  # until the counters match the loaded state
 
         def ranges(parts: list[tuple[FlatGroup, str, int, int, torch.Tensor]]) -> list[ShardRange]:
             return [ShardRange(g.name, k, lo, hi, dest) for g, k, lo, hi, dest in parts]
@@ -367,6 +375,7 @@ class ZeroEngine:
                 g.write_shard(0, g.shard_numel, t)
             self._publish(self.groups)
         self._load_meta(meta)
+        self.mid_update = False
 
     def _scalars(self, meta: dict[str, Any]) -> list[dict[str, float]]:
         saved = meta.get("optimizer_scalars") or []

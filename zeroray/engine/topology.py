@@ -70,6 +70,13 @@ def _secondary(shard_groups: list[list[int]], h: int) -> dist.ProcessGroup:
     return group
 
 
+def _column(shard_groups: list[list[int]], world_ranks: list[int], me: int) -> tuple[int, ...]:
+    """The world-group ranks at world rank ``me``'s place in every shard group (global ranks in the groups)."""
+    mine = next(g for g in shard_groups if world_ranks[me] in g)
+    at = mine.index(world_ranks[me])
+    return tuple(sorted(world_ranks.index(g[at]) for g in shard_groups))
+
+
 @dataclass
 class Topology:
     """The engine's communicators; build it with :meth:`build`."""
@@ -79,6 +86,9 @@ class Topology:
     replicas: Comm | None = None
     nodes: tuple[str, ...] | None = None  # the node of each world rank
     secondary: Comm | None = None  # hpZ
+    # The world ranks holding the same shards as this one (this rank's column of the mesh), hybrid only: a
+    # recovery finds a lost rank's state on them. Kept as numbers, since an aborted group is dropped.
+    replica_ranks: tuple[int, ...] | None = None
     _spans: dict[int, bool] | None = None  # id(comm) -> its ranks span nodes
 
     @classmethod
@@ -135,7 +145,9 @@ class Topology:
         secondary = comm(_secondary(shard_groups, h)) if h is not None else None
         if shard is None:
             return cls._with_nodes(world, world, None, nodes, secondary)
-        return cls._with_nodes(world, comm(shard), comm(replicate), nodes, secondary)
+        topo = cls._with_nodes(world, comm(shard), comm(replicate), nodes, secondary)
+        topo.replica_ranks = _column(shard_groups, dist.get_process_group_ranks(world.group), world.rank)
+        return topo
 
     @classmethod
     def _with_nodes(cls, world: Comm, shard: Comm, replicas: Comm | None, nodes: tuple[str, ...] | None,

@@ -172,12 +172,20 @@ class FailureConfig:
     up to twice the rank's shard state in host memory (four times while a snapshot is sent) and a stall at
     each snapshot. When both copies of a shard are lost, the run falls back to the newest committed
     checkpoint. 0 (the default) = off.
+
+    ``replica_recovery`` (hybrid sharding, ``shard_group_size``): when the group fails, each surviving rank
+    keeps a host copy of its live state, and the next group copies a lost node's shards from their replicas
+    in the other replica groups: no storage read and no step lost, with no cost while training (one host
+    copy of the rank's shard state, from the failure until the next group's first report). Where some shard
+    has no surviving copy it falls back to the snapshots, then storage. False = off (the copy's host memory
+    is not spared).
     """
 
     max_failures: int = 0
     collective_timeout_s: float = 60.0
     worker_heartbeat_timeout_s: float = 30.0
     snapshot_interval: int = 0
+    replica_recovery: bool = True
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_failures) or self.max_failures < -1:
@@ -190,6 +198,8 @@ class FailureConfig:
                 f"FailureConfig.snapshot_interval must be an integer >= 0 (0 = no in-memory snapshots), "
                 f"got {self.snapshot_interval!r}"
             )
+        if not isinstance(self.replica_recovery, bool):
+            raise ValueError(f"FailureConfig.replica_recovery must be True or False, got {self.replica_recovery!r}")
         for name in ("collective_timeout_s", "worker_heartbeat_timeout_s"):
             value = getattr(self, name)
             if not _is_number(value) or not value > 0:

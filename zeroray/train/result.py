@@ -42,7 +42,8 @@ class Attempt:
     ``time.time()``: ``ended_at`` is when the driver noticed the end.
 
     ``recovered_from``: where the group's state came from, "memory" (the ranks' in-memory snapshots,
-    ``FailureConfig.snapshot_interval``), "storage" (a committed checkpoint) or None (from scratch).
+    ``FailureConfig.snapshot_interval``), "replica" (hybrid sharding: the live state of the replicas that
+    survived, ``FailureConfig.replica_recovery``), "storage" (a committed checkpoint) or None (from scratch).
 
     ``kept_ranks``: ranks whose actor (process, imports, bundle) came from the previous attempt; the others
     were started for it. ``phases``: seconds of its start, in order: ``prestart`` (a grow only: starting

@@ -47,6 +47,7 @@ class RunSpec:
     checkpoint_config: CheckpointConfig
     samples_per_step: int | None
     progress_bar: bool | None
+    replica_recovery: bool = True  # FailureConfig's: a failed hybrid group's survivors keep their live state
 
     @property
     def backend(self) -> str:

@@ -117,6 +117,7 @@ class ZeroTrainer:
             placement_timeout_s=sc.placement_timeout_s,
             collective_timeout_s=rc.failure_config.collective_timeout_s,
             snapshot_interval=rc.failure_config.snapshot_interval,
+            replica_recovery=rc.failure_config.replica_recovery,
             checkpoint_config=rc.checkpoint_config,
             samples_per_step=self.samples_per_step,
             progress_bar=rc.progress_bar,

@@ -434,7 +434,8 @@ class Controller:
         if decision is FailureDecision.RESTART:
             latest = self._latest_checkpoint()
             logger.warning(
-                "zeroray: group failed (attempt %d), restarting from %s:\n%s",
+                "zeroray: group failed (attempt %d), restarting from %s, or from the ranks' memory where newer "
+                "(snapshots, replicas):\n%s",
                 self.attempt, latest.path if latest else "the start (no committed checkpoint)",
                 "\n".join(str(f) for f in failures),
             )

@@ -23,7 +23,7 @@ class PollAnswer:
     this answer or an earlier one); ``failure``: why it failed; ``stopped``: it ended at a recovery point
     (a planned resize), at the engine's global step ``stopped_at``. ``timings`` and ``resumed`` come once,
     with the rank's first report: its start-up seconds by phase (``Attempt.phases``) and where its
-    ``zt.prepare`` resumed from ("memory" | "storage", step).
+    ``zt.prepare`` resumed from ("memory" | "replica" | "storage", step).
     """
 
     reports: tuple[Report, ...] = ()
@@ -32,7 +32,7 @@ class PollAnswer:
     stopped: bool = False
     stopped_at: int | None = None
     timings: dict[str, float] | None = None
-    resumed: tuple[Literal["memory", "storage"], int] | None = None
+    resumed: tuple[Literal["memory", "replica", "storage"], int] | None = None
 
 
 @dataclass
@@ -45,7 +45,7 @@ class PollStatus:
     stopped: list[bool] = field(default_factory=list)  # the loop ended at a recovery point
     stopped_at: int | None = None
     timings: dict[str, float] | None = None  # rank 0's start-up seconds, with its first report
-    resumed: tuple[Literal["memory", "storage"], int] | None = None  # with them: what the group resumed from
+    resumed: tuple[Literal["memory", "replica", "storage"], int] | None = None  # with them: what the group resumed from
 
     @property
     def finished(self) -> bool:

@@ -78,9 +78,10 @@ class RankActor:
     def __init__(self, run: str, use_gpu: bool) -> None:
         self.run, self.use_gpu = run, use_gpu
         self.info: RankInfo | None = None  # this group's rank and world, from setup
-        # In-memory snapshots (FailureConfig.snapshot_interval), this rank's and its buddies': kept from one group
-        # to the next, so a restarted group recovers from its ranks' memory.
-        self.snapshots: SnapshotStore | None = None
+        # In-memory snapshots (FailureConfig.snapshot_interval), this rank's and its buddies', and the live state
+        # a failed hybrid group left (recovery from replicas): kept from one group to the next, so a restarted group
+        # recovers from its ranks' memory.
+        self.snapshots = SnapshotStore()
         self._clear_loop()
         _log_info_to_stderr()
         _import_ahead()
@@ -145,8 +146,6 @@ class RankActor:
         except Exception:  # no metrics agent (e.g. a minimal cluster): training does not depend on it
             pass
         ctx = TrainContext(self.info, spec.name, spec.storage_path, device, spec.run_url, batch=batch)
-        if spec.snapshot_interval and self.snapshots is None:
-            self.snapshots = SnapshotStore()
         self.session = Session(ctx, spec, dataset_shards, Comm(report_group), report_callbacks=callbacks,
                                elastic=elastic, snapshots=self.snapshots)
         if elastic:
@@ -164,7 +163,7 @@ class RankActor:
         self.thread.start()
 
     def _run(self) -> None:
-        from zeroray.train.worker.recovery import RecoveryPointReached, wait_for_save
+        from zeroray.train.worker.recovery import RecoveryPointReached, keep_live_state, wait_for_save
         from zeroray.train.worker.reporting import finish
 
         session = self.session
@@ -188,6 +187,8 @@ class RankActor:
                 timed_out=is_collective_timeout(e),
             )
             _leave_failed_group(session, self.failure.message)
+            if self.failure.secondary:  # a peer failed: this rank is kept, and its state may serve the next group
+                keep_live_state(session)  # after leaving: the peers learn of the failure first
         finally:
             self.done = True
 

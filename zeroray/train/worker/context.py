@@ -127,10 +127,10 @@ class Session:
     last_saved_step: int | None = None  # global step of this engine's newest save
     checkpoint_load: tuple[float, int] | None = None  # (seconds, bytes) of the resume load, for the metrics
     engine_ready_at: float | None = None  # time.time() when zt.prepare built the engine (before its resume load)
-    snapshots: SnapshotStore | None = None  # the rank actor's, kept across groups (snapshot_interval > 0)
+    snapshots: SnapshotStore | None = None  # the rank actor's, kept across groups (snapshots, live copies)
     snapshot_group: tuple[str, list[int]] | None = None  # this group's id and its ranks' node ranks
     last_snapshot_step: int | None = None
-    resumed: tuple[Literal["memory", "storage"], int] | None = None  # where zt.prepare's resume came from, and its step
+    resumed: tuple[Literal["memory", "replica", "storage"], int] | None = None  # where zt.prepare's resume came from, and its step
 
     @property
     def engine(self) -> ZeroEngine | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import uuid
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -115,8 +116,12 @@ def prepare(
 
 def _topology(session: Any, model: torch.nn.Module, optimizer: Any) -> tuple[ZeroConfig, list[str]]:
     """Collective: every rank's node (the ranks of a node are consecutive), and the trainer's config with
-    ``shard_group_size="auto"`` (and hpZ's) resolved to the ranks per node, so no shard group spans nodes."""
-    nodes = [f"node-{n}" for n in session.report_comm.all_gather_object(session.context.get_node_rank())]
+    ``shard_group_size="auto"`` (and hpZ's) resolved to the ranks per node, so no shard group spans nodes.
+    Sets the group's id (rank 0's) for its snapshots: a failed group's ranks file their state under it with
+    no collective."""
+    gathered = session.report_comm.all_gather_object((session.context.get_node_rank(), uuid.uuid4().hex))
+    session.snapshot_group = (gathered[0][1], [node for node, _ in gathered])
+    nodes = [f"node-{n}" for n, _ in gathered]
     config = load_config(session.zero_config, model=model, optimizer=optimizer)  # what initialize would load
     autos = [name for name in ("shard_group_size", "hpz_partition_size") if getattr(config, name) == "auto"]
     if autos:

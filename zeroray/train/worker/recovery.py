@@ -12,9 +12,20 @@ saves go through one ``zc.AsyncSaver`` per rank, held on the session (``checkpoi
 first async save to the end of the loop.
 
 **Snapshots** (``FailureConfig.snapshot_interval``): when a rank takes one, and the group identity they
-are filed under. The snapshots, their copies on a buddy rank on another node and the restore are
-:mod:`zeroray.checkpoint.snapshot`. The rank actor keeps its ``SnapshotStore`` from one group to the
-next: that is what lets a restarted group, at any size, recover from its ranks' memory (:func:`resume`).
+are filed under (rank 0's id, agreed in ``zt.prepare``). The snapshots, their copies on a buddy rank on
+another node and the restore are :mod:`zeroray.checkpoint.snapshot`. The rank actor keeps its
+``SnapshotStore`` from one group to the next: that is what lets a restarted group, at any size, recover
+from its ranks' memory (:func:`resume`).
+
+**Recovery from replicas** (hybrid sharding, ``FailureConfig.replica_recovery``): when the group fails,
+each surviving rank keeps a copy of its live state (:func:`keep_live_state`, called by the rank actor once
+the rank has left the group), and so does every rank at a recovery point. Every shard of a lost node
+still lives in another replica group, so the next group restores the newest step all of them cover from
+the survivors' memory: no snapshot interval, no storage read, no step lost (``resumed=("replica", step)``).
+Where the survivors' copies do not cover every shard (a whole shard's column lost, or a rank that
+failed inside its optimizer step) the resume falls back to the buddy snapshots, then storage, and says so.
+The live copies of a group that failed are dropped at the next group's first report, once every rank
+of it runs (a failure before then may still need them).
 
 **Recovery points**: a planned resize stops the loop right after a checkpoint, so it loses no step.
 The driver cannot stop the user's loop from outside without losing the steps since the last
@@ -30,7 +41,6 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from typing import Any
 
 import zeroray.checkpoint as zc
@@ -45,8 +55,9 @@ def resume(session: Session) -> bool:
     """Collective, in ``zt.prepare``: load the run's newest state into the session's engine; False when the
     run has none (it starts fresh).
 
-    The newest is the group's newest complete in-memory snapshot (``FailureConfig.snapshot_interval``; no
-    storage read) unless a committed checkpoint on storage is newer. For storage, rank 0 picks the
+    The newest is the group's newest complete in-memory snapshot (``FailureConfig.snapshot_interval``, or the
+    live copies a failed hybrid group's survivors kept; no storage read) unless a committed checkpoint on
+    storage is newer. For storage, rank 0 picks the
     checkpoint and tells the others (on the report group), so every rank loads the same one even if storage
     changes in between.
     """
@@ -65,7 +76,7 @@ def resume(session: Session) -> bool:
     start = time.perf_counter()
     if choice is not None:
         snapshot.restore(engine, comm, session.snapshots, choice)
-        session.resumed = ("memory", choice.step)
+        session.resumed = ("replica" if choice.live else "memory", choice.step)
         session.last_snapshot_step = choice.step  # held already: not snapshotted again
     else:
         zc.load(engine, url, storage_options=session.storage_options)
@@ -145,7 +156,7 @@ def wait_for_save(session: Session) -> None:
 def snapshot_due(session: Session) -> bool:
     """A snapshot at this report: every ``snapshot_interval`` optimizer steps, once per step (the same answer
     on every rank: their engines are at the same step)."""
-    if session.snapshots is None or session.engine is None:
+    if not session.spec.snapshot_interval or session.snapshots is None or session.engine is None:
         return False
     step = int(session.engine.global_step)
     return step > 0 and step % session.spec.snapshot_interval == 0 and step != session.last_snapshot_step
@@ -155,14 +166,43 @@ def take_snapshot(session: Session) -> tuple[float, int]:
     """Collective, in ``zt.report``: snapshot this rank, replicate it on its buddy; (seconds the loop was
     blocked, bytes of this rank's snapshot)."""
     start = time.perf_counter()
-    if session.snapshot_group is None:  # the group's id and its ranks' nodes, once per group
-        gathered = session.report_comm.all_gather_object((session.context.get_node_rank(), uuid.uuid4().hex))
-        session.snapshot_group = (gathered[0][1], [node for node, _ in gathered])
     group_id, nodes = session.snapshot_group
     snap = snapshot.take(session.engine, group_id)
     snapshot.replicate(session.report_comm, session.snapshots, snap, nodes)
     session.last_snapshot_step = snap.header.step
     return time.perf_counter() - start, snap.header.nbytes
+
+
+def keep_live_state(session: Session) -> None:
+    """Copy this rank's live engine state into its snapshot store (no collective), for a recovery from
+    replicas: after its group failed (the rank has left it), or at a recovery point. Only under hybrid
+    sharding (flat shards have no other copy), and only a completed optimizer step: a rank that failed inside
+    one (or inside a load) offers nothing, and says so. Never raises: the rank's failure is already reported."""
+    engine = session.engine
+    if (engine is None or session.snapshots is None or session.snapshot_group is None
+            or not session.spec.replica_recovery or engine.topology.replica_ranks is None):
+        return
+    rank = session.context.get_world_rank()
+    if engine.mid_update:
+        logger.warning("zeroray: rank %d stopped inside an optimizer step (or a load); its state is not offered "
+                       "for recovery from replicas", rank)
+        return
+    start = time.perf_counter()
+    try:
+        snap = snapshot.take(engine, session.snapshot_group[0], live=True)
+    except Exception as e:  # e.g. a device lost with the node: the other replicas may still cover this shard
+        logger.warning("zeroray: rank %d could not copy its state for recovery from replicas (%s: %s)", rank,
+                       type(e).__name__, e)
+        return
+    session.snapshots.add(snap)
+    logger.info("zeroray: rank %d kept its state of step %d for recovery from replicas (%.1f MB in %.2f s)", rank,
+                snap.header.step, snap.header.nbytes / 1e6, time.perf_counter() - start)
+
+
+def drop_recovered(session: Session) -> None:
+    """At a report (every rank of this group runs): the live copies of earlier groups are no longer needed."""
+    if session.snapshots is not None and session.snapshot_group is not None:
+        session.snapshots.drop_live(session.snapshot_group[0])
 
 
 class RecoveryPointReached(BaseException):  # noqa: N818 - a control-flow signal, not an error
@@ -192,6 +232,7 @@ class RecoveryPointCallback(ReportCallback):
             if session.last_saved_step != step:
                 save_checkpoint(session)
             wait_for_save(session)
+            keep_live_state(session)  # hybrid: the next group's new ranks get their shards from these ranks
         if session.context.get_world_rank() == 0:  # the report this exchange ended: zt.report queues it after us
             ranks = tuple(s for _, s in gathered)
             session.reports.put(Report(index=num_reports, time=time.time(), metrics=metrics, ranks=ranks))

@@ -77,8 +77,8 @@ def _rank_stats(session: Session) -> RankStats:
     if device.type == "cuda":
         memory["cuda_allocated"] = int(torch.cuda.memory_allocated(device))
         memory["cuda_max_allocated"] = int(torch.cuda.max_memory_allocated(device))
-    if session.snapshots is not None:
-        memory["snapshots"] = session.snapshots.nbytes  # host copies held: this rank's and its buddies'
+    if session.snapshots is not None and (session.spec.snapshot_interval or session.snapshots.held):
+        memory["snapshots"] = session.snapshots.nbytes  # host copies held: this rank's, its buddies', live ones
     memory.update(process_memory())
     return RankStats(
         rank=session.context.get_world_rank(),
@@ -144,6 +144,7 @@ def report(metrics: dict[str, Any], checkpoint: bool = False) -> None:
     session.waiting_in = "report"
     gathered = _exchange(session, item)
     _check_mismatch(gathered, num_reports=session.num_reports)
+    recovery.drop_recovered(session)
     if checkpoint:
         stats = _save(session, stats)
     if recovery.snapshot_due(session):

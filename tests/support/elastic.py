@@ -1,0 +1,143 @@
+"""What the tests of runs that lose or gain nodes share: a small regression trained on a fixed global batch,
+one optimizer step over this rank's samples of it (``sample_indices``, so any world size sees the same samples
+in the same steps), the single-process reference such a run must match, and the test process's side of a run
+(spoiling checkpoints so that a read of one fails, waiting for a control file, what Ray still holds)."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+GLOBAL_BATCH, MICRO = 24, 2
+
+
+def data(steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(steps * GLOBAL_BATCH, 8, generator=g)
+    return x, torch.sin(x.sum(dim=1, keepdim=True))
+
+
+def model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+
+def optimizer(m: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(m.parameters(), lr=1e-2)
+
+
+def train_step(engine: Any, ctx: Any, x: torch.Tensor, y: torch.Tensor,
+               after_micro: Callable[[int], None] | None = None) -> float:
+    """One optimizer step (``engine.global_step``) over this rank's micro-batches of the global batch; the
+    global batch's mean loss (all-reduced). ``after_micro(micro)`` runs after each micro-batch's step."""
+    import torch.distributed as dist
+
+    step, total = engine.global_step, torch.zeros(())
+    for micro in range(engine.gradient_accumulation_steps):
+        idx = list(ctx.sample_indices(step, micro))
+        loss = ((engine(x[idx]) - y[idx]) ** 2).mean()
+        engine.backward(loss)
+        engine.step()
+        total += loss.detach() * len(idx)
+        if after_micro is not None:
+            after_micro(micro)
+    dist.all_reduce(total)
+    return total.item() / GLOBAL_BATCH
+
+
+def reference(steps: int) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """The run without failures or resizes: one process, the whole global batch per step (what DDP at any
+    size computes)."""
+    m = model()
+    opt = optimizer(m)
+    x, y = data(steps)
+    losses = []
+    for step in range(steps):
+        sl = slice(step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH)
+        loss = ((m(x[sl]) - y[sl]) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return {k: v.detach().clone() for k, v in m.named_parameters()}, losses
+
+
+def assert_matches_reference(history: list[dict[str, Any]], final: dict[str, torch.Tensor], steps: int,
+                             rtol: float) -> None:
+    """The last loss recorded for each step (a step redone after a failure counts once) and the final weights
+    against :func:`reference`, up to ``rtol`` (other world sizes sum the same gradients in another order)."""
+    losses = {e["step"]: e["loss"] for e in history if "loss" in e}
+    ref_params, ref_losses = reference(steps)
+    assert sorted(losses) == list(range(1, steps + 1))
+    torch.testing.assert_close(torch.tensor([losses[s] for s in range(1, steps + 1)]), torch.tensor(ref_losses),
+                               rtol=rtol, atol=0)
+    flat = torch.cat([final[k].flatten() for k in ref_params])
+    ref = torch.cat([v.flatten() for v in ref_params.values()])
+    rel = ((flat - ref).norm() / ref.norm()).item()
+    assert rel <= rtol, f"global relative error {rel:.2e} > {rtol}"
+
+
+def spoil_checkpoints(runs: Path) -> list[str]:
+    """Overwrite every file of every run's checkpoints but its manifest with zeros (same sizes, so a listing
+    still finds them valid; reading any byte range fails its checksum). Returns the spoiled files."""
+    spoiled = []
+    for f in sorted(runs.glob("*/checkpoint_*/*")):
+        if f.name != "manifest.json":
+            f.write_bytes(bytes(f.stat().st_size))
+            spoiled.append(str(f))
+    return spoiled
+
+
+def wait_for(path: Path, proc: subprocess.Popen, timeout_s: float = 240.0) -> None:
+    """Until the loop writes ``path``; fails early if the driver ``proc`` exits."""
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if proc.poll() is not None:
+            raise RuntimeError(f"the driver exited ({proc.returncode}) before {path.name}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no {path.name} after {timeout_s:.0f}s")
+        time.sleep(0.1)
+
+
+def left_behind(run: str, timeout_s: float = 30.0) -> dict[str, list[str]]:
+    """In a driver after ``fit()``: the run's named actors and placement groups Ray still holds (waits up to
+    ``timeout_s`` for them to go)."""
+    import ray
+    from ray.util.placement_group import placement_group_table
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        actors = [a for a in ray.util.list_named_actors(all_namespaces=True) if f"zeroray:{run}:" in str(a)]
+        pgs = [p for p in placement_group_table().values()
+               if p["name"].startswith(f"zeroray:{run}") and p["state"] != "REMOVED"]
+        if (not actors and not pgs) or time.monotonic() > deadline:
+            return {"actors": [str(a) for a in actors], "pgs": [p["name"] for p in pgs]}
+        time.sleep(0.2)
+
+
+def drive_and_kill(cluster: Any, argv: list[str], log: Path, held: Path, timeout_s: float,
+                   before_kill: Callable[[], None] | None = None) -> float:
+    """On an emulated cluster (tests/support/netcluster.py ``RayCluster``): run the driver ``argv`` inside the head's
+    namespace (its output to ``log``); once the loop writes ``held``, run ``before_kill`` and kill the other node
+    with everything in it; wait for the driver to end. Returns when the node was killed (``time.time()``)."""
+    net, (head, other) = cluster.net, cluster.nodes
+    with open(log, "w") as out:
+        driver = net.popen(head, argv, env={**cluster.env, "RAY_ADDRESS": cluster.address}, stdout=out,
+                           stderr=subprocess.STDOUT)
+        try:
+            wait_for(held, driver, timeout_s=timeout_s)
+            if before_kill is not None:
+                before_kill()
+            killed_at = time.time()
+            net.kill(other)
+            driver.wait(timeout=timeout_s)
+        finally:
+            if driver.poll() is None:
+                driver.kill()
+                driver.wait()
+    return killed_at
