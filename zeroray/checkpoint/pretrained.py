@@ -42,7 +42,8 @@ from zeroray.checkpoint.safetensors_file import (
     merge,
     read_header,
 )
-from zeroray.engine import GroupShard, ZeroEngine, layout, names
+from zeroray.engine import GroupShard, ZeroEngine, layout
+from zeroray.engine import names as tensor_names
 from zeroray.storage import join_url, open_url
 
 SINGLE = "model.safetensors"
@@ -124,7 +125,7 @@ def load_pretrained(
 
     _, total = _agree(engine, read, "reading", "shards on the CPU may be partly loaded", reader)
     with torch.no_grad():
-        named = dict(names.named_buffers(engine.module))
+        named = dict(tensor_names.named_buffers(engine.module))
         for name, value in buffers.items():
             named[name].copy_(value)
     engine.load_shard_state(tensors, {})
@@ -144,7 +145,7 @@ def pretrained_keys(
     only what the file lacks."""
     fs, root = open_url(source, storage_options)
     _, where = _files(RangeReader(fs), source, root)
-    aliases = _aliases(model, {n: None for n, _ in names.named_parameters(model)})
+    aliases = _aliases(model, {n: None for n, _ in tensor_names.named_parameters(model)})
     buffers = set(_persistent_buffers(model, aliases))
     mapped, _ = _map_keys(list(where), key_map, set(aliases) | buffers)
     slot_of = {a: slot for slot, names in aliases.items() for a in names}
@@ -344,7 +345,7 @@ def _pickle_message(url: str, names: list[str]) -> str:
 def _aliases(module: nn.Module, slots: dict[str, Any]) -> dict[str, list[str]]:
     """Every parameter slot's names: its own first, then the other names the model ties it under."""
     names: dict[int, list[str]] = {}
-    for n, p in names.named_parameters(module, remove_duplicate=False):
+    for n, p in tensor_names.named_parameters(module, remove_duplicate=False):
         names.setdefault(id(p), []).append(n)
     out = {}
     for group in names.values():
@@ -359,7 +360,7 @@ def _aliases(module: nn.Module, slots: dict[str, Any]) -> dict[str, list[str]]:
 def _persistent_buffers(module: nn.Module, aliases: dict[str, list[str]]) -> dict[str, tuple[int, ...]]:
     """The model's persistent buffers (what its state_dict holds beside the parameters)."""
     params = {a for names in aliases.values() for a in names}
-    shapes = {n: tuple(b.shape) for n, b in names.named_buffers(module)}
+    shapes = {n: tuple(b.shape) for n, b in tensor_names.named_buffers(module)}
     return {n: shapes[n] for n in module.state_dict(keep_vars=True) if n not in params and n in shapes}
 
 

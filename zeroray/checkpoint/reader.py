@@ -46,7 +46,8 @@ from zeroray.checkpoint.manifest import (
     verify_chunks,
 )
 from zeroray.checkpoint.storage import join_url, open_url, read_checked_manifest
-from zeroray.engine import Comm, ZeroEngine, layout, names
+from zeroray.engine import Comm, ZeroEngine, layout
+from zeroray.engine import names as tensor_names
 from zeroray.engine.shard_state import GroupSource, ShardRange
 
 _MAX_RUN = 64 << 20  # bytes per range read
@@ -332,7 +333,7 @@ def load(engine: ZeroEngine, url: str, *, storage_options: dict[str, Any] | None
             if ckpt.manifest.world_size == engine.world_size and f.rank == engine.rank:
                 req, rng[s.key] = _raw_section(f, s)
                 requests.append(req)
-        buffers = dict(names.named_buffers(engine.module))
+        buffers = dict(tensor_names.named_buffers(engine.module))
         for f, s in ckpt.sections("buffer"):
             if s.name not in buffers or s.dtype not in DTYPES:
                 raise CheckpointError(f"{url}: buffer {s.name!r} ({s.dtype}) does not fit this model")
@@ -399,7 +400,7 @@ def install(
 
 
 def _install_buffers(engine: ZeroEngine, buffers: dict[str, torch.Tensor]) -> None:
-    live = dict(names.named_buffers(engine.module))
+    live = dict(tensor_names.named_buffers(engine.module))
     with torch.no_grad():
         for name, value in buffers.items():
             live[name].copy_(value)

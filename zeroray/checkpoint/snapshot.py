@@ -32,7 +32,8 @@ from typing import Any
 import torch
 
 from zeroray.checkpoint.reader import install
-from zeroray.engine import Comm, ZeroEngine, layout, names
+from zeroray.engine import Comm, ZeroEngine, layout
+from zeroray.engine import names as tensor_names
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +110,7 @@ def take(engine: ZeroEngine, group_id: str, live: bool = False) -> Snapshot:
     for gs in engine.shard_state():
         groups.append(GroupLayout(gs.name, tuple(gs.slots), gs.numel, gs.shard_world))
         tensors += [("shard", gs.name, key, gs.tensors[key]) for key in sorted(gs.tensors)]
-    tensors += [("buffer", name, "", b) for name, b in names.named_buffers(engine.module)]
+    tensors += [("buffer", name, "", b) for name, b in tensor_names.named_buffers(engine.module)]
     if not live:
         tensors.append(("rng", "cpu", "", torch.get_rng_state()))
         if engine.device.type == "cuda":

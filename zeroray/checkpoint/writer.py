@@ -60,7 +60,8 @@ from zeroray.checkpoint.manifest import (
     rank_file,
 )
 from zeroray.checkpoint.storage import apply_retention, delete_checkpoint, open_url, parent_url
-from zeroray.engine import Comm, ZeroEngine, names
+from zeroray.engine import Comm, ZeroEngine
+from zeroray.engine import names as tensor_names
 from zeroray.engine.shard_state import ShardStateCopy
 
 _WRITE_STEP = 4 << 20  # bytes handed to f.write at a time, hashed meanwhile in another thread
@@ -162,7 +163,7 @@ def _plan(engine: ZeroEngine) -> tuple[list[GroupEntry], list[_Section]]:
         rng = torch.cuda.get_rng_state(engine.device)
         sections.append(_Section.of(SectionEntry("rng", "uint8", key="cuda"), rng))
     if rank == 0:
-        buffers = dict(names.named_buffers(engine.module))
+        buffers = dict(tensor_names.named_buffers(engine.module))
         for name in engine.module.state_dict(keep_vars=True):
             if name in buffers:
                 b = buffers[name]

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zeroray.config.load import ConfigArg
-from zeroray.engine import names
+from zeroray.engine import names as tensor_names
 from zeroray.engine.build import HELD, build_engine
 from zeroray.engine.comm import InFlight
 from zeroray.engine.flat_group import FlatGroup
@@ -258,7 +258,7 @@ class ZeroEngine:
                 g.comm.all_gather(flat, mine).wait()
             for slot in g.slots:
                 out[slot.name] = flat[slot.offset : slot.end].view(slot.shape).detach().cpu().clone()
-        return {n: out[n] for n, _ in names.named_parameters(self.module)}
+        return {n: out[n] for n, _ in tensor_names.named_parameters(self.module)}
 
     def shard_state(self) -> list[GroupShard]:
         """This rank's slices of every logical flat group: what a sharded checkpoint saves.

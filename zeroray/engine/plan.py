@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from zeroray.engine import names
+from zeroray.engine import names as tensor_names
 
 
 @dataclass
@@ -99,7 +99,7 @@ def plan_units(
         for p in m.parameters():
             members.setdefault(id(p), []).append(ui)
     per_unit: dict[int | None, list[tuple[str, nn.Parameter]]] = {}
-    for n, p in names.named_parameters(model):
+    for n, p in tensor_names.named_parameters(model):
         owners = members.get(id(p), [])
         per_unit.setdefault(owners[0] if len(owners) == 1 else None, []).append((n, p))
     plans = []
@@ -117,7 +117,7 @@ def plan_buckets(model: nn.Module, group_of: dict[int, int | None], bucket_size:
     """Stages 0-2: buckets of at least ``bucket_size`` elements (the last of each kind may be smaller)."""
     plans: list[GroupPlan] = []
     open_: dict[tuple, GroupPlan] = {}
-    for n, p in reversed(list(names.named_parameters(model))):
+    for n, p in reversed(list(tensor_names.named_parameters(model))):
         key = (group_of[id(p)], p.dtype)
         plan = open_.get(key)
         if plan is None:
