@@ -49,6 +49,21 @@ def test_fixed_size_or_no_batch_sizes_leave_the_config_as_given():
     assert _plan({}, num_workers=(1, 3)).for_world(3) is None
 
 
+def test_an_integer_shard_group_size_keeps_whole_shard_groups_across_resizes():
+    plan = _plan({"zero_optimization": {"stage": 3, "mics_shard_size": 2}}, num_workers=(1, 6))
+    assert [w for w in range(1, 7) if plan.feasible(w)] == [2, 4, 6]
+    assert plan.for_world(4) is None  # no batch sizes given: the config as it is
+    policy = ElasticScalingPolicy(ScalingConfig(num_workers=(1, 6)), plan)
+    assert [policy.largest_feasible(n) for n in (1, 3, 5, 9)] == [None, 2, 4, 6]
+    both = _plan({"train_batch_size": 24, "train_micro_batch_size_per_gpu": 2, "zero_optimization":
+                  {"stage": 3, "mics_shard_size": 2, "zero_hpz_partition_size": 3}}, num_workers=(1, 6))
+    assert [w for w in range(1, 7) if both.feasible(w)] == [6] and both.for_world(6) == BatchSizes(24, 2, 2)
+    assert _plan({"zero_optimization": {"stage": 3, "mics_shard_size": "auto"}}, num_workers=(1, 3)).feasible(3)
+    with pytest.raises(ValueError, match=r"no world size between min_workers=3 and max_workers=3 is a multiple of "
+                                         r"shard_group_size / hpz_partition_size \(2\)"):
+        _plan({"zero_optimization": {"stage": 2, "mics_shard_size": 2}}, num_workers=(3, 3))
+
+
 def test_sample_indices_cover_the_same_global_batch_at_every_world_size():
     sizes = BatchPlan("global", 24, 2, None)
     for step in (0, 7):

@@ -4,6 +4,8 @@ rank is told. Plain data, shared by the driver, the group and the rank."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -37,12 +39,16 @@ class BatchPlan:
     ``keep="micro"``: micro batch and accumulation stay, the global batch follows the world size.
     ``keep="none"``: no batch size was given (the loop batches as it likes) or the size is fixed:
     every size is feasible and the ranks get the config as it is.
+
+    ``multiple_of``: an integer ``shard_group_size`` (or hpZ's ``hpz_partition_size``): only world sizes it
+    divides are feasible, so a resize keeps whole shard groups (``"auto"`` follows the nodes by itself).
     """
 
     keep: str
     train_batch_size: int | None = None
     micro_batch_size: int | None = None
     gradient_accumulation_steps: int | None = None
+    multiple_of: int = 1
 
     @classmethod
     def from_config(cls, zero_config: Any, scaling: ScalingConfig) -> BatchPlan:
@@ -51,6 +57,8 @@ class BatchPlan:
         tb = zero_config.train_batch_size
         mb = zero_config.train_micro_batch_size_per_gpu
         gas = zero_config.gradient_accumulation_steps
+        sizes = [getattr(zero_config, n, None) for n in ("shard_group_size", "hpz_partition_size")]
+        multiple = math.lcm(*(k for k in sizes if isinstance(k, int) and not isinstance(k, bool) and k > 0), 1)
         if not scaling.elasticity_enabled or (tb is None and mb is None):
             plan = cls("none")
         elif scaling.elastic_batch == "global":
@@ -76,6 +84,14 @@ class BatchPlan:
                         f"({mb}) x accumulation x max_workers ({scaling.max_workers}); set gradient_accumulation_steps"
                     )
             plan = cls("micro", None, mb, gas)
+        if scaling.elasticity_enabled and multiple > 1:
+            plan = dataclasses.replace(plan, multiple_of=multiple)
+            if not any(w % multiple == 0 for w in range(scaling.min_workers, scaling.max_workers + 1)):
+                raise ValueError(
+                    f"no world size between min_workers={scaling.min_workers} and max_workers={scaling.max_workers} "
+                    f"is a multiple of shard_group_size / hpz_partition_size ({multiple}); widen the range or use "
+                    f"shard_group_size='auto'"
+                )
         feasible = [w for w in range(scaling.min_workers, scaling.max_workers + 1) if plan.feasible(w)]
         if not feasible:
             raise ValueError(
@@ -90,6 +106,8 @@ class BatchPlan:
         """The sizes at ``world_size`` (None: the ranks keep the config as given). Raises ValueError when the
         size is not feasible."""
         w = world_size
+        if w % self.multiple_of:
+            raise ValueError(f"world {w} is not a multiple of the shard group size {self.multiple_of}")
         if self.keep == "none":
             return None
         if self.keep == "micro":
