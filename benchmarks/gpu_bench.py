@@ -16,7 +16,11 @@ compute:
   step on the CPU);
 - ``deepspeed-S``: ``bf16.enabled`` and ZeRO stage S, the same client optimizer; ``deepspeed-S-offload``
   is ZeRO-Offload (``offload_optimizer.device: cpu``, pinned, ``overlap_comm``) with DeepSpeed's own
-  ``DeepSpeedCPUAdam`` (an AVX C++ op it compiles at first use), as its docs recommend.
+  ``DeepSpeedCPUAdam`` (an AVX C++ op it compiles at first use), as its docs recommend;
+- ``zeroray-0-compiled``, ``zeroray-3-compiled``, ``fsdp2-compiled`` (opt-in, issue 31): the same with each
+  transformer block compiled (``block.compile()``, inductor), after ``zeroray.initialize`` and before
+  ``fully_shard`` (torchtitan's order). The warm-up's first step holds the compilation: it is reported as
+  ``first_step_s``, outside the median, beside dynamo's graph count and recompiles after step 2.
 
 Reported: median step time, tokens/s, MFU (model FLOPs 6N + 12·L·d·T per token, over the device's dense
 bf16 peak), peak allocated memory; ``--largest`` adds the largest model (of the sizes given, in
@@ -33,15 +37,19 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from measure import dynamo_counts
+from systems import COMPILED, compile_blocks
 
 ROOT = Path(__file__).resolve().parent.parent
 SYSTEMS = ["torch", "zeroray-0", "zeroray-3", "zeroray-3-offload", "fsdp2", "deepspeed-0", "deepspeed-3",
-           "zeroray-2", "zeroray-2-offload", "fsdp2-offload", "deepspeed-2-offload"]
+           "zeroray-2", "zeroray-2-offload", "fsdp2-offload", "deepspeed-2-offload",
+           "zeroray-0-compiled", "zeroray-3-compiled", "fsdp2-compiled"]
 # Dense bf16 peak (no sparsity), by substring of torch.cuda.get_device_name().
 PEAK_BF16 = {"H200": 989e12, "H100 PCIe": 756e12, "H100": 989e12, "A100": 312e12, "L4": 121e12}
 LR = 1e-4
@@ -61,6 +69,9 @@ class Runner:
 
     def __init__(self, name: str, model: torch.nn.Module, micro_batch: int) -> None:
         self.name, self.autocast = name, False
+        compiled = name.endswith(COMPILED)
+        if compiled and name.startswith("fsdp2"):
+            compile_blocks(model)  # torchtitan's order: compile each block, then fully_shard it
         opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
         if name == "torch":
             self.model, self.opt, self.autocast = model, opt, True
@@ -106,6 +117,8 @@ class Runner:
                                                         model_parameters=model.parameters())
         else:
             raise ValueError(f"unknown system {name!r}; known: {', '.join(SYSTEMS)}")
+        if compiled and name.startswith("zeroray"):
+            compile_blocks(model)  # after zeroray.initialize, as a user does
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "engine"):
@@ -143,7 +156,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     try:
         runner = Runner(args.one, model, args.micro_batch)
         g = torch.Generator(device=dev).manual_seed(0)
-        times, losses = [], []
+        times, losses, first_step = [], [], 0.0
+        after_two: dict[str, int] = {}
         for i in range(args.warmup + args.steps):
             tokens = torch.randint(cfg.vocab_size, (args.micro_batch, args.seq + 1), device=dev, generator=g)
             x, y = tokens[:, :-1], tokens[:, 1:]
@@ -153,8 +167,15 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
             losses.append(loss.item())  # syncs: the step is done
             if i >= args.warmup:
                 times.append(time.perf_counter() - t0)
-            elif i == args.warmup - 1 and args.one.startswith("zeroray"):
+            elif i == 0:
+                first_step = time.perf_counter() - t0  # a compiled system's compilation is in it
+            if i == 1:
+                after_two = dynamo_counts()
+            if i == args.warmup - 1 and args.one.startswith("zeroray"):
                 runner.engine.phase_report()  # phase means over the timed steps only
+        dynamo = dynamo_counts()
+        # Every frame a step runs was compiled by the end of step 2: any compile after it is a recompile.
+        dynamo["recompiles_after_step2"] = dynamo["frames_compiled"] - after_two.get("frames_compiled", 0)
         step = statistics.median(times)
         tokens_s = args.micro_batch * args.seq / step
         peak = peak_flops(torch.cuda.get_device_name(dev))
@@ -166,6 +187,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
             peak_rss_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
             first_loss=losses[0],
             last_loss=losses[-1],
+            first_step_s=first_step,
+            dynamo=dynamo,
             ok=True,
         )
         if args.one.startswith("zeroray"):  # where a step's time goes, and the offload copies
@@ -183,7 +206,9 @@ def measure(system: str, params: float, args: argparse.Namespace, steps: int, wa
     env = {**os.environ, "MASTER_PORT": str(port), "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     cmd = [sys.executable, __file__, "--one", system, "--params", str(params), "--seq", str(args.seq),
            "--micro-batch", str(micro), "--steps", str(steps), "--warmup", str(warmup)]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    with tempfile.TemporaryDirectory() as cache:  # an empty inductor cache: each compile time is a cold one
+        env["TORCHINDUCTOR_CACHE_DIR"] = cache
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
     if not lines:
         tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
@@ -193,14 +218,17 @@ def measure(system: str, params: float, args: argparse.Namespace, steps: int, wa
 
 def table(rows: list[dict], base: str) -> str:
     ref = next((r for r in rows if r["system"] == base and r.get("ok")), None)
-    out = [f"| system | step (s) | vs {base} | tokens/s | MFU | peak GiB |", "|---|---|---|---|---|---|"]
+    out = [f"| system | step (s) | vs {base} | tokens/s | MFU | peak GiB | first step (s) | graphs | recompiles |",
+           "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if not r.get("ok"):
-            out.append(f"| {r['system']} | {r.get('error', 'failed')[:90]} | | | | |")
+            out.append(f"| {r['system']} | {r.get('error', 'failed')[:90]} | | | | | | | |")
             continue
         ratio = f"{r['step_s'] / ref['step_s']:.3f}" if ref else ""
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "n/a"
-        out.append(f"| {r['system']} | {r['step_s']:.3f} | {ratio} | {r['tokens_s']:,.0f} | {mfu} | {r['peak_alloc_gib']:.1f} |")
+        d = r["dynamo"]
+        out.append(f"| {r['system']} | {r['step_s']:.3f} | {ratio} | {r['tokens_s']:,.0f} | {mfu} | {r['peak_alloc_gib']:.1f} "
+                   f"| {r['first_step_s']:.1f} | {d['unique_graphs']} | {d['recompiles_after_step2']} |")
     return "\n".join(out)
 
 
@@ -224,6 +252,8 @@ def main() -> None:
     if args.one:
         print("RESULT " + json.dumps(child(args)), flush=True)
         return
+    if args.warmup < 2:  # (the --largest children take 1: they only check that a size fits)
+        ap.error("--warmup must be at least 2: compilation and the recompile check stay out of the median")
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown:
@@ -233,6 +263,11 @@ def main() -> None:
     for s in systems:
         rows.append(measure(s, args.params, args, args.steps, args.warmup, args.micro_batch))
         print(json.dumps(rows[-1]), flush=True)
+        if rows[-1].get("ok"):
+            d = rows[-1]["dynamo"]
+            print(f"{s}: dynamo unique_graphs {d['unique_graphs']}, graph breaks {d['graph_breaks']}, "
+                  f"recompiles after step 2 {d['recompiles_after_step2']}, first step {rows[-1]['first_step_s']:.1f} s",
+                  flush=True)
     largest: dict[str, Any] = {}
     for s in systems if args.largest else []:
         largest[s] = None

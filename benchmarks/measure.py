@@ -11,6 +11,7 @@ import gc
 import resource
 import threading
 import warnings
+import weakref
 from collections.abc import Iterable
 
 import torch
@@ -60,9 +61,9 @@ def _storage(t: torch.Tensor) -> tuple[int, int] | None:
         return None
     try:
         s = t.untyped_storage()
-    except (RuntimeError, NotImplementedError):
+        return (s.data_ptr(), s.nbytes()) if s.nbytes() else None
+    except (RuntimeError, NotImplementedError):  # no memory of its own: torch.compile's fake tensors
         return None
-    return (s.data_ptr(), s.nbytes()) if s.nbytes() else None
 
 
 def storages(tensors: Iterable[torch.Tensor | None]) -> dict[int, int]:
@@ -78,7 +79,9 @@ def live_storages() -> dict[int, int]:
     """Every tensor storage that Python can reach in this process."""
     with warnings.catch_warnings():  # isinstance() on some deprecated torch objects warns
         warnings.simplefilter("ignore", FutureWarning)
-        return storages(o for o in gc.get_objects() if isinstance(o, torch.Tensor))
+        # A weak proxy (torch.compile keeps some) is not a tensor itself; a dead one raises on isinstance().
+        proxies = (weakref.ProxyType, weakref.CallableProxyType)
+        return storages(o for o in gc.get_objects() if type(o) not in proxies and isinstance(o, torch.Tensor))
 
 
 def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -86,6 +89,19 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     out = [p for g in optimizer.param_groups for p in g["params"]]
     out += [v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
     return out
+
+
+def dynamo_counts() -> dict[str, int]:
+    """torch.compile's work so far in this process: frames compiled, graphs, graph breaks.
+
+    The optimizer's first step imports dynamo anyway, so reading them costs an eager system nothing."""
+    from torch._dynamo.utils import counters
+
+    return {
+        "frames_compiled": counters["frames"]["ok"],
+        "unique_graphs": counters["stats"]["unique_graphs"],
+        "graph_breaks": sum(counters["graph_break"].values()),
+    }
 
 
 def current_rss_bytes() -> int:

@@ -6,6 +6,10 @@ names the tensors that are parameters and optimizer state, for the peers' memory
 Mixed precision is each system's own way of doing it: zeroray and DeepSpeed keep bf16 parameters
 with fp32 master weights; FSDP2 keeps fp32 shards and computes in bf16 (MixedPrecisionPolicy);
 DDP and ZeroRedundancyOptimizer use torch autocast over fp32 parameters.
+
+A ``-compiled`` system is its eager namesake with each transformer block compiled
+(``block.compile()``, inductor): the per-block recipe of torchtitan, where each system's own hooks
+around a block (gathers, frees, reductions) stay eager and only the block's math is compiled.
 """
 
 from __future__ import annotations
@@ -35,13 +39,21 @@ SYSTEMS: dict[str, tuple[str, int]] = {
     "deepspeed-2": ("deepspeed", 2),
     "deepspeed-3": ("deepspeed", 3),
 }
+COMPILED = "-compiled"
+# Per-block compiled variants (issue 31), opt-in: no group but "compile" names them.
+SYSTEMS.update({f"{s}{COMPILED}": SYSTEMS[s] for s in [*(f"zeroray-{stage}" for stage in range(4)), "ddp"]})
+# fsdp2-reshard compiled: torchtitan's default reshards after forward
+SYSTEMS["fsdp2-compiled"] = ("fsdp2", 3)
+EAGER = [s for s in SYSTEMS if not s.endswith(COMPILED)]
 GROUPS = {
     "zeroray": [f"zeroray-{stage}" for stage in range(4)],
     "fsdp2": ["fsdp2-reshard", "fsdp2-keep"],
     "deepspeed": [s for s in SYSTEMS if s.startswith("deepspeed")],
 }
-GROUPS["peers"] = [s for s in SYSTEMS if not s.startswith("zeroray")]
-GROUPS["all"] = list(SYSTEMS)
+GROUPS["peers"] = [s for s in EAGER if not s.startswith("zeroray")]
+GROUPS["all"] = EAGER
+# compile_bench.py's systems: each compiled one beside its eager namesake.
+GROUPS["compile"] = ["ddp", *GROUPS["zeroray"], "fsdp2-reshard", *(s for s in SYSTEMS if s.endswith(COMPILED))]
 
 
 def expand(names: str) -> list[str]:
@@ -198,14 +210,27 @@ class _DeepSpeed(_Engine):
         return params, optimizer_tensors(self.engine.optimizer.optimizer)  # fp32 partitions and Adam moments
 
 
+def compile_blocks(model: nn.Module) -> None:
+    """Compile each transformer block in place (``block.compile()``), the module objects unchanged,
+    so that hooks registered on them before or after still fire around the compiled forward."""
+    for block in model.transformer.h:
+        block.compile()
+
+
 def build(name: str, model: nn.Module, precision: str, micro_batch: int) -> System:
     """Wrap ``model`` (fresh, fp32, identical on every rank) as system ``name``."""
     family, stage = SYSTEMS[name]
+    compiled = name.endswith(COMPILED)
+    if compiled and family in ("fsdp2", "ddp"):
+        compile_blocks(model)  # torchtitan's order: compile each block, then wrap or shard it
     makers: dict[str, Callable[[], System]] = {
         "zeroray": lambda: ZeroRay(model, stage, precision, trim_host_heap=name.endswith("-trim")),
         "ddp": lambda: _ddp(model, stage, precision),
         "zero_opt": lambda: _zero_opt(model, stage, precision),
-        "fsdp2": lambda: _fsdp2(model, name == "fsdp2-reshard", precision),
+        "fsdp2": lambda: _fsdp2(model, name != "fsdp2-keep", precision),
         "deepspeed": lambda: _DeepSpeed(model, stage, precision, micro_batch),
     }
-    return makers[family]()
+    system = makers[family]()
+    if compiled and family == "zeroray":
+        compile_blocks(model)  # after zeroray.initialize, as a user does (issue 31)
+    return system

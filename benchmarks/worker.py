@@ -17,6 +17,7 @@ from measure import (
     CommCounter,
     HeapPeak,
     current_rss_bytes,
+    dynamo_counts,
     live_storages,
     malloc_bytes,
     peak_rss_bytes,
@@ -71,18 +72,28 @@ def main() -> None:
     system = build(args.system, model, args.precision, args.micro_batch)
     setup_s = time.perf_counter() - t0
 
-    times, losses = [], []
+    times, cpu_times, losses = [], [], []
+    after_two: dict[str, int] = {}
     for step in range(args.warmup + args.steps):
         x, y = batch(cfg, args.micro_batch, args.seq, rank, step)
         dist.barrier()
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         losses.append(system.forward_backward(x, y))
         system.optimizer_step()
-        if step >= args.warmup:
-            times.append(time.perf_counter() - t)
+        times.append(time.perf_counter() - t)  # the warm-up steps too: the first one holds compilation
+        # CPU seconds of this rank's threads (gloo's included): the step's work, which other load on a
+        # shared machine stretches far less than its wall time.
+        cpu_times.append(time.process_time() - c)
+        if step == 1:
+            after_two = dynamo_counts()
+    dynamo = dynamo_counts()
+    # Every frame a step runs was compiled by the end of step 2: any compile after it is a recompile.
+    dynamo["recompiles_after_step2"] = dynamo["frames_compiled"] - after_two.get("frames_compiled", 0)
     # The slowest rank sets the pace of a step.
-    step_times = torch.tensor(times, dtype=torch.float64)
-    dist.all_reduce(step_times, op=dist.ReduceOp.MAX)
+    all_times = torch.tensor([times, cpu_times], dtype=torch.float64)
+    dist.all_reduce(all_times, op=dist.ReduceOp.MAX)
+    warmup_times, step_times = all_times[0, : args.warmup], all_times[0, args.warmup :]
+    cpu_step_times = all_times[1, args.warmup :]
 
     # One more step, untimed: count its collectives, follow malloc's peak and read memory between
     # backward and step, when gradients and optimizer state both exist.
@@ -108,6 +119,7 @@ def main() -> None:
         "heap_peak_growth": heap_peak.peak - heap_base if heap_peak.peak and heap_base else None,
         "comm_measured": counter.bytes,
         "comm_reported": reported_comm,
+        "dynamo": dynamo,
     }
     gathered: list[dict] = [{} for _ in range(world)]
     dist.all_gather_object(gathered, per_rank)
@@ -121,8 +133,10 @@ def main() -> None:
             "micro_batch": args.micro_batch,
             "seq": args.seq,
             "setup_s": setup_s,
+            "warmup_times": warmup_times.tolist(),
             "step_times": step_times.tolist(),
             "median_step_s": statistics.median(step_times.tolist()),
+            "cpu_step_times": cpu_step_times.tolist(),
             "losses": losses,
             "ranks": gathered,
         }
