@@ -40,7 +40,10 @@ _WAY_OUT = (
 
 def outside_graph(fn: F, what: str) -> F:
     """``fn``, a hook of the engine, run eagerly when dynamo meets it (``what`` names it in dynamo's message)."""
-    return torch.compiler.disable(fn, reason=_WAY_OUT.format(what=what))
+    try:
+        return torch.compiler.disable(fn, reason=_WAY_OUT.format(what=what))
+    except TypeError:  # torch before 2.7 takes no reason: dynamo's message then names the hook alone
+        return torch.compiler.disable(fn)
 
 
 def compile_units(units: Sequence[tuple[str, nn.Module]], config: CompileConfig) -> None:
