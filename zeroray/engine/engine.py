@@ -452,6 +452,9 @@ class ZeroEngine:
         report["grad_buffers_cached"] = self.reducer.cached_bytes()  # reused temporaries, stages 2-3
         report["gather_buffers_cached"] = self.gather_pool.cached_bytes()  # free gather memory, stage 3
         report["optimizer_states"] = opt["states"]
+        # Of "grads": sharded gradient shards (stages 2-3) given back now, between steps; a backward's first
+        # reduction takes them again, so they are in "total", which is the step's persistent peak.
+        report["grads_released"] = sum(g.grad_bytes() for g in self.groups if g.grads is None and g.grad_shard is None)
         # hpZ: the secondary copies of the parameters, held from each unit's forward to its backward.
         report["params_secondary"] = sum(g.secondary_bytes() for g in self.groups)
         report["total"] = (report["params"] + report["grads"] + report["optimizer"] + report["buffers"]

@@ -11,7 +11,8 @@ config's :class:`~zeroray.config.Sharding` flags:
   ``p.numel()`` stay right for code that counts or checks them (:mod:`zeroray.engine.param_guard`
   turns any use of the values into an error naming the parameter);
 - gradients (in the precision policy's ``reduce_dtype``): a full :class:`GradBuffer`, or with
-  ``shards_grads`` only the gradient shard (stage 2-3 reduce from pooled temporaries);
+  ``shards_grads`` only the gradient shard (stage 2-3 reduce from pooled temporaries), held from a step's
+  first reduction to the end of the step;
 - the fp32 master shard (a view of the compute shard in plain fp32, its own tensor otherwise)
   that the optimizer updates; the optimizer's states are shaped like it.
 
@@ -236,8 +237,8 @@ class FlatGroup:
                 data = torch.zeros(self.padded, dtype=self.reduce_dtype, device=self.device)
                 self.grads = GradBuffer(data, self.slots, self.numel)
                 self.grad_shard = data[self.lo : self.hi]
-            else:
-                self.grad_shard = torch.zeros(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
+            else:  # made by the step's first reduction, released after the step (see _average_into_shard)
+                self.grad_shard = None
         if self.sharding.shards_params:
             self._free_storage(to_pool=False)  # the pool keeps only memory that gathers use
 
@@ -375,12 +376,22 @@ class FlatGroup:
             if persistent:  # grad_shard is a view of it: average just that part
                 return h.then(lambda: self.grad_shard.mul_(inv)) if inv != 1.0 else h
             lo, hi = self.lo, self.hi
-            return h.then(lambda: self.grad_shard.add_(data[lo:hi], alpha=inv))
+            return h.then(lambda: self._average_into_shard(data[lo:hi], inv, own=False))
         out = torch.empty(self.shard_numel, dtype=data.dtype, device=data.device)
         h = self._across_replicas(comm.reduce_scatter(out, data, async_op=async_op), out)
         if persistent:
             return h.then(lambda: torch.mul(out, inv, out=self.grad_shard))
-        return h.then(lambda: self.grad_shard.add_(out, alpha=inv))
+        return h.then(lambda: self._average_into_shard(out, inv, own=True))
+
+    def _average_into_shard(self, reduced: torch.Tensor, inv: float, own: bool) -> None:
+        """Add ``reduced * inv`` to the gradient shard (stages 2-3). The step's first reduction becomes the shard
+        (``own``: ``reduced`` is this reduction's own tensor, scaled in place; else a copy), the same bits as
+        adding it to zeros: the shard holds memory only from the first reduction to the end of the step, not
+        through the forward, when the activations are there (what torch's own gradients do)."""
+        if self.grad_shard is None:
+            self.grad_shard = reduced.mul_(inv) if own else torch.mul(reduced, inv)
+        else:
+            self.grad_shard.add_(reduced, alpha=inv)
 
     def _across_replicas(self, reduced: Handle, shard: torch.Tensor) -> Handle:
         """Hybrid: once ``reduced`` (in the shard group) is done, sum ``shard`` over the replicas."""
@@ -392,8 +403,8 @@ class FlatGroup:
     def zero_grad(self) -> None:
         if self.grads is not None:
             self.grads.clear()  # overwritten, not added to, by the next backward
-        elif self.grad_shard is not None:
-            self.grad_shard.zero_()
+        else:
+            self.grad_shard = None  # sharded gradients: the memory goes back until the next backward
 
     # ------------------------------------------------------------------ after the optimizer step
     def publish_master(self, cast: bool = True) -> Handle:
@@ -440,8 +451,8 @@ class FlatGroup:
     def grad_bytes(self) -> int:
         if self.grads is not None:
             return self.grads.nbytes
-        t = self.grad_shard
-        return 0 if t is None else t.numel() * t.element_size()
+        # Sharded gradients: what the shard takes from the step's first reduction to the end of the step.
+        return self.shard_numel * self.reduce_dtype.itemsize if self.trainable else 0
 
     def master_bytes(self) -> int:
         if self.master is None or self.master is self.shard:

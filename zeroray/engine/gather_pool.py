@@ -17,6 +17,10 @@ from __future__ import annotations
 
 import torch
 
+# torch without _swap_data_ptr_ (2.11 has none) cannot move memory between storages: there a gather allocates (resize_) and a free gives
+# the memory back to the allocator, as FSDP2 does; the storage object stays the same either way.
+_SWAPS = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+
 
 class GatherPool:
     def __init__(self) -> None:
@@ -26,6 +30,9 @@ class GatherPool:
         """Give ``full`` (whose storage is empty) ``nbytes`` of memory: a pooled buffer if one of
         that size is free, else a new one. Its contents are whatever the last user left."""
         storage = full.untyped_storage()
+        if not _SWAPS:
+            storage.resize_(nbytes)
+            return
         free = self._free.get((full.device, nbytes))
         buf = free.pop() if free else torch.UntypedStorage(nbytes, device=full.device)
         storage._swap_data_ptr_(buf)
@@ -35,6 +42,9 @@ class GatherPool:
         storage = full.untyped_storage()
         nbytes = storage.nbytes()
         if nbytes == 0:
+            return
+        if not _SWAPS:
+            storage.resize_(0)
             return
         buf = torch.UntypedStorage(0, device=full.device)
         buf._swap_data_ptr_(storage)

@@ -65,7 +65,7 @@ class NvmeHome(StateHome):
     # ------------------------------------------------------------------ set-up
     def attach(self, groups: Sequence[FlatGroup]) -> None:
         # fp32 gradient shards in host memory are used in place; anything else is cast per sub-group.
-        self.lazy_grads = any(g.grad_shard.dtype != torch.float32 or g.grad_shard.device != self.host_device for g in groups)
+        self.lazy_grads = any(g.reduce_dtype != torch.float32 or g.device != self.host_device for g in groups)
 
     def param_data(self, g: FlatGroup, lo: int, hi: int) -> torch.Tensor:
         return self._placeholder

@@ -51,13 +51,13 @@ class ResidentHome(StateHome):
         # 16-bit gradients on the device are cast to fp32 per sub-group as it is stepped (GradShards,
         # lazy): the step then holds one sub-group's fp32 copy, not the whole shard's (20 -> 16 bytes a
         # parameter at the step's peak, bf16 at world 1). fp32 gradient shards are used in place.
-        self.lazy_grads = not self.offloaded and any(g.grad_shard.dtype != g.master.dtype for g in groups)
+        self.lazy_grads = not self.offloaded and any(g.reduce_dtype != g.master.dtype for g in groups)
 
     def _host_grad(self, g: FlatGroup) -> torch.Tensor:
         """``g``'s reusable host buffer for its fp32 gradient shard (pinned on CUDA)."""
         buf = self._host_grads.get(g)
         if buf is None:
-            buf = torch.empty(g.grad_shard.shape, dtype=g.master.dtype, device=self.master_device, pin_memory=self.pin)
+            buf = torch.empty(g.shard_numel, dtype=g.master.dtype, device=self.master_device, pin_memory=self.pin)
             self._host_grads[g] = buf
         return buf
 
