@@ -19,12 +19,22 @@ import torch
 import zeroray
 from tests.support.dist import run_ranks
 from tests.support.models import TinyLM, batches
-from tests.support.recipe import GAS, OPT_STEPS, config, fsdp2_run, optimizer, reference, train, zero_run
+from tests.support.recipe import (
+    FLOOR,
+    GAS,
+    OPT_STEPS,
+    config,
+    fsdp2_run,
+    loss_distance,
+    optimizer,
+    reference,
+    train,
+    weight_distance,
+    zero_run,
+)
 from zeroray.config import ConfigError
 from zeroray.config.load import load_config
 from zeroray.train.worker.preparation import compile_config
-
-FLOOR = {"fp32": 2e-6, "bf16": 2e-2}  # rounding floor of the distances (as in test_engine_hybrid)
 
 
 def _counters() -> dict[str, int]:
@@ -82,7 +92,7 @@ def _yardstick(rank: int, init: TinyLM, data: list) -> tuple[float, float]:
     eager = reference(rank, copy.deepcopy(init), data)
     _fresh_dynamo()
     compiled = _ddp_compiled(rank, copy.deepcopy(init), data)
-    return (max(_distance(compiled[1], eager[1]), FLOOR["fp32"]), max(_loss_distance(compiled[0], eager[0]), FLOOR["fp32"]))
+    return (max(weight_distance(compiled[1], eager[1]), FLOOR["fp32"]), max(loss_distance(compiled[0], eager[0]), FLOOR["fp32"]))
 
 
 def _forms(rank: int, world: int, forms: list[str]) -> dict:
@@ -115,8 +125,8 @@ def test_every_form_trains_at_stage_3_compiling_each_block_once() -> None:
                 assert got["graphs"] == 1, (what, got["graphs"])  # one block shape, one graph
                 assert got["losses"] == res["config"]["losses"], what
                 assert all(torch.equal(t, res["config"]["state"][n]) for n, t in got["state"].items()), what
-            assert _loss_distance(got["losses"], losses) <= l_tol, (what, got["losses"], losses, l_tol)
-            assert _distance(got["state"], state) <= w_tol, (what, _distance(got["state"], state), w_tol)
+            assert loss_distance(got["losses"], losses) <= l_tol, (what, got["losses"], losses, l_tol)
+            assert weight_distance(got["state"], state) <= w_tol, (what, weight_distance(got["state"], state), w_tol)
 
 
 def _parity(rank: int, world: int, precision: str) -> dict:
@@ -132,26 +142,20 @@ def _parity(rank: int, world: int, precision: str) -> dict:
     return out
 
 
-def _distance(state: dict, ref: dict) -> float:
-    return max(float((state[n].float() - ref[n].float()).abs().max()) for n in ref)
-
-
-def _loss_distance(losses: list[float], ref: list[float]) -> float:
-    return max(abs(a - b) for a, b in zip(losses, ref, strict=True))
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_compiled_stages_match_compiled_ddp_as_closely_as_compiled_fsdp2(precision: str) -> None:
     results = run_ranks(_parity, 2, precision)
-    fsdp_w = max(_distance(r["fsdp2"][1], r["ddp"][1]) for r in results)
-    fsdp_l = max(_loss_distance(r["fsdp2"][0], r["ddp"][0]) for r in results)
+    fsdp_w = max(weight_distance(r["fsdp2"][1], r["ddp"][1]) for r in results)
+    fsdp_l = max(loss_distance(r["fsdp2"][0], r["ddp"][0]) for r in results)
     w_tol, l_tol = 3 * max(fsdp_w, FLOOR[precision]), 3 * max(fsdp_l, FLOOR[precision])
     for rank, res in enumerate(results):
         for stage in (0, 1, 2, 3):
             got, what = res[stage], f"rank {rank} stage {stage} {precision}"
             assert got["graphs"] == got["graphs_at_2"] == 1, (what, got)
-            assert _distance(got["state"], res["ddp"][1]) <= w_tol, (what, _distance(got["state"], res["ddp"][1]), w_tol)
-            assert _loss_distance(got["losses"], res["ddp"][0]) <= l_tol, (what, got["losses"], res["ddp"][0], l_tol)
+            assert weight_distance(got["state"], res["ddp"][1]) <= w_tol, (what, weight_distance(got["state"], res["ddp"][1]), w_tol)
+            assert loss_distance(got["losses"], res["ddp"][0]) <= l_tol, (what, got["losses"], res["ddp"][0], l_tol)
 
 
 def _against_eager(rank: int, world: int, cases: list[tuple[int, dict]]) -> dict:
@@ -171,8 +175,8 @@ def _assert_near_eager(results: list[dict], cases: list) -> None:
         for i, (stage, _) in enumerate(cases):
             (got, (losses, state, _)), what = res[i], f"rank {rank} of {len(results)}, stage {stage}"
             assert got["graphs"] == got["graphs_at_2"] == 1, (what, got)
-            assert _loss_distance(got["losses"], losses) <= l_tol, (what, got["losses"], losses, l_tol)
-            assert _distance(got["state"], state) <= w_tol, (what, _distance(got["state"], state), w_tol)
+            assert loss_distance(got["losses"], losses) <= l_tol, (what, got["losses"], losses, l_tol)
+            assert weight_distance(got["state"], state) <= w_tol, (what, weight_distance(got["state"], state), w_tol)
 
 
 @pytest.mark.parametrize(("world", "cases"), [(1, [(3, {}), (2, {})]), (3, [(3, {}), (1, {})])])

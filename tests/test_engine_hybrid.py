@@ -27,19 +27,20 @@ from tests.support.checkpoint import assemble, assert_same, snapshot
 from tests.support.dist import run_ranks
 from tests.support.models import TinyLM, batches
 from tests.support.recipe import (
+    FLOOR,
     GAS,
     OPT_STEPS,
     config,
     fsdp2_run,
+    loss_distance,
     optimizer,
     reference,
     train,
+    weight_distance,
     zero_run,
 )
 from zeroray.config import ConfigError, ZeroConfig
 
-# fp32 rounding floor: below it, distances are noise of the summation order.
-FLOOR = {"fp32": 2e-6, "bf16": 2e-2}
 NORM_RTOL = {"fp32": 1e-5, "bf16": 2e-2}
 
 
@@ -56,16 +57,13 @@ def _parity(rank: int, world: int, ks: list[int], precisions: list[str]) -> dict
     return out
 
 
-def _distance(state: dict, ref: dict) -> float:
-    return max(float((state[n].float() - ref[n]).abs().max()) for n in ref)
-
 
 @pytest.mark.parametrize(("world", "ks", "precisions"), [(4, [2], ["fp32", "bf16"]), (6, [2, 3], ["fp32"])])
 def test_hybrid_matches_ddp_as_closely_as_fsdp2_hsdp(world: int, ks: list[int], precisions: list[str]) -> None:
     results = run_ranks(_parity, world, ks, precisions)
     for precision in precisions:
-        hsdp_w = max(_distance(r[("hsdp", k, precision)][1], r["ref"][1]) for r in results for k in ks)
-        hsdp_l = max(_loss_distance(r[("hsdp", k, precision)][0], r["ref"][0]) for r in results for k in ks)
+        hsdp_w = max(weight_distance(r[("hsdp", k, precision)][1], r["ref"][1]) for r in results for k in ks)
+        hsdp_l = max(loss_distance(r[("hsdp", k, precision)][0], r["ref"][0]) for r in results for k in ks)
         w_tol, l_tol = 3 * max(hsdp_w, FLOOR[precision]), 3 * max(hsdp_l, FLOOR[precision])
         for rank, res in enumerate(results):
             ref_losses, ref_state, ref_norms = res["ref"]
@@ -75,12 +73,9 @@ def test_hybrid_matches_ddp_as_closely_as_fsdp2_hsdp(world: int, ks: list[int], 
                     what = f"rank {rank} stage {stage} k {k} {precision}"
                     torch.testing.assert_close(norms[0], ref_norms[0], rtol=NORM_RTOL[precision], atol=0, msg=what)
                     assert list(state) == list(ref_state), what
-                    assert _distance(state, ref_state) <= w_tol, (what, _distance(state, ref_state), w_tol)
-                    assert _loss_distance(losses, ref_losses) <= l_tol, (what, _loss_distance(losses, ref_losses), l_tol)
+                    assert weight_distance(state, ref_state) <= w_tol, (what, weight_distance(state, ref_state), w_tol)
+                    assert loss_distance(losses, ref_losses) <= l_tol, (what, loss_distance(losses, ref_losses), l_tol)
 
-
-def _loss_distance(losses: list[float], ref: list[float]) -> float:
-    return max(abs(a - b) for a, b in zip(losses, ref, strict=True))
 
 
 def _bytes(rank: int, world: int, k: int, stage: int) -> dict:

@@ -49,13 +49,18 @@ def _mp_worker(rank: int, world: int) -> dict:
     return {"losses": losses, "weights": weights}
 
 
-def test_trainer_run_matches_torch_multiprocessing(ray_cluster, tmp_path):
-    result = ZeroTrainer(
-        _trainer_loop,
+def _fit(loop, name: str, tmp_path):
+    """``loop`` under ZeroTrainer: 2 ranks, DS_CONFIG, run ``name`` under ``tmp_path``."""
+    return ZeroTrainer(
+        loop,
         zero_config=DS_CONFIG,
         scaling_config=ScalingConfig(num_workers=2),
-        run_config=RunConfig(name="engine-parity", storage_path=str(tmp_path), progress_bar=False),
+        run_config=RunConfig(name=name, storage_path=str(tmp_path), progress_bar=False),
     ).fit()
+
+
+def test_trainer_run_matches_torch_multiprocessing(ray_cluster, tmp_path):
+    result = _fit(_trainer_loop, "engine-parity", tmp_path)
     reference = run_ranks(_mp_worker, 2)[0]
 
     history = result.metrics_history
@@ -103,12 +108,7 @@ def _compiled_mp_worker(rank: int, world: int) -> list[float]:
 def test_prepare_compile_compiles_each_block_once_as_the_deepspeed_compile_block_does(ray_cluster, tmp_path):
     """``zt.prepare(compile=True)`` under ZeroTrainer and DeepSpeed's ``compile`` block under multiprocessing:
     the same compiled blocks, the same losses; one graph (TinyLM's blocks are alike), none after."""
-    result = ZeroTrainer(
-        _compiled_trainer_loop,
-        zero_config=DS_CONFIG,
-        scaling_config=ScalingConfig(num_workers=2),
-        run_config=RunConfig(name="engine-compile", storage_path=str(tmp_path), progress_bar=False),
-    ).fit()
+    result = _fit(_compiled_trainer_loop, "engine-compile", tmp_path)
     reference = run_ranks(_compiled_mp_worker, 2)[0]
     history = result.metrics_history[:STEPS]
     assert [h["graphs"] for h in history] == [1] * STEPS

@@ -158,3 +158,16 @@ def fsdp2_run(
             opt.step()
             opt.zero_grad()
     return losses, {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+
+
+# Rounding floor of the parity tests' distances: below it, distances are noise of the summation order.
+FLOOR = {"fp32": 2e-6, "bf16": 2e-2}
+
+
+def weight_distance(state: dict, ref: dict) -> float:
+    """The largest elementwise difference between two full state dicts, over ``ref``'s names."""
+    return max(float((state[n].float() - ref[n].float()).abs().max()) for n in ref)
+
+
+def loss_distance(losses: list[float], ref: list[float]) -> float:
+    return max(abs(a - b) for a, b in zip(losses, ref, strict=True))

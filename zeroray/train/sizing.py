@@ -57,8 +57,9 @@ class BatchPlan:
         tb = zero_config.train_batch_size
         mb = zero_config.train_micro_batch_size_per_gpu
         gas = zero_config.gradient_accumulation_steps
-        sizes = [getattr(zero_config, n, None) for n in ("shard_group_size", "hpz_partition_size")]
-        multiple = math.lcm(*(k for k in sizes if isinstance(k, int) and not isinstance(k, bool) and k > 0), 1)
+        # Integer group sizes (validated positive by ZeroConfig); "auto" and None do not constrain the world size.
+        sizes = (zero_config.shard_group_size, zero_config.hpz_partition_size)
+        multiple = math.lcm(1, *(k for k in sizes if isinstance(k, int)))
         if not scaling.elasticity_enabled or (tb is None and mb is None):
             plan = cls("none")
         elif scaling.elastic_batch == "global":
