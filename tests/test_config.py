@@ -296,8 +296,11 @@ def test_keys_set_to_their_off_default_are_accepted_silently(caplog):
         ({"prescale_gradients": True}, "prescale_gradients"),
         ({"gradient_predivide_factor": 2.0}, "gradient_predivide_factor"),
         ({"sequence_parallel_size": 2}, "sequence_parallel_size"),
-        ({"zero_optimization": {"zero_quantized_weights": True}}, "zero_optimization.zero_quantized_weights"),
-        ({"zero_optimization": {"zero_quantized_gradients": True}}, "zero_optimization.zero_quantized_gradients"),
+        (
+            {"zero_optimization": {"zero_quantized_nontrainable_weights": True}},
+            "zero_optimization.zero_quantized_nontrainable_weights",
+        ),
+        ({"zero_optimization": {"zeropp_loco_param": {"err_beta": 0.8}}}, "zero_optimization.zeropp_loco_param"),
         (
             {"activation_checkpointing": {"partition_activations": True}},
             "activation_checkpointing.partition_activations",

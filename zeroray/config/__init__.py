@@ -11,6 +11,7 @@ from zeroray.config.zero_config import (
     OffloadConfig,
     OffloadIOConfig,
     PrecisionPolicy,
+    QuantizeConfig,
     Sharding,
     ZeroConfig,
 )
@@ -23,6 +24,7 @@ __all__ = [
     "OffloadConfig",
     "OffloadIOConfig",
     "PrecisionPolicy",
+    "QuantizeConfig",
     "Sharding",
     "ZeroConfig",
 ]

@@ -146,7 +146,6 @@ _OFFLOAD_TUNING = "CPU/NVMe offload tuning knob"
 _STAGE3 = "DeepSpeed stage-3 fetch heuristic; zeroray gathers whole units (zeroray_units) with bucketed prefetch"
 _EXPORT = "zeroray checkpoints hold logical tensors; export gathers them"
 _CKPT = "zeroray does not configure activation checkpointing; use torch.utils.checkpoint in the model"
-_NOT_ZEROPP = "ZeRO++ is not implemented"
 
 TABLE: dict[str, Entry] = {
     # ---- batch and step
@@ -170,6 +169,12 @@ TABLE: dict[str, Entry] = {
         "shard_group_size", _size_or_off(-1, 0), note="hybrid sharding at stages 1-3; -1 = off; \"auto\" = the ranks of a node"
     ),
     "zero_optimization.zeroray_trim_host_heap": Field("trim_host_heap", note="zeroray's own"),
+    "zero_optimization.zero_quantized_weights": Field("quantize.weights", note="ZeRO++ qwZ at stage 3: int8 forward gathers"),
+    "zero_optimization.zero_quantized_gradients": Field(
+        "quantize.gradients", note="ZeRO++ qgZ at stages 2-3: quantized all-to-all gradient reduction"
+    ),
+    "zero_optimization.zeroray_quantize_block_size": Field("quantize.block_size", _int, note="zeroray's own"),
+    "zero_optimization.zeroray_quantize_gradient_bits": Field("quantize.gradient_bits", _int, note="zeroray's own"),
     "zero_optimization.offload_optimizer.device": Field("offload_optimizer.device"),
     "zero_optimization.offload_optimizer.nvme_path": Field("offload_optimizer.nvme_path"),
     "zero_optimization.offload_optimizer.pin_memory": Field("offload_optimizer.pin_memory"),
@@ -305,10 +310,10 @@ TABLE: dict[str, Entry] = {
     "fp16.fp16_master_weights_and_grads": Refused("zeroray keeps fp32 master weights"),
     "bf16.bf16_master_weights_and_grads": Refused("zeroray keeps fp32 master weights"),
     "bf16.bf16_optimizer_states": Refused("zeroray keeps fp32 optimizer states"),
-    "zero_optimization.zero_quantized_weights": Refused(_NOT_ZEROPP),
-    "zero_optimization.zero_quantized_nontrainable_weights": Refused(_NOT_ZEROPP),
-    "zero_optimization.zero_quantized_gradients": Refused(_NOT_ZEROPP),
-    "zero_optimization.zeropp_loco_param": Refused(_NOT_ZEROPP, unless=(None,)),
+    "zero_optimization.zero_quantized_nontrainable_weights": Refused(
+        "zeroray keeps frozen weights in the compute dtype; only the gathers of stage 3 are quantized (zero_quantized_weights)"
+    ),
+    "zero_optimization.zeropp_loco_param": Refused("ZeRO++'s LoCo error feedback is not implemented", unless=(None,)),
     "zero_optimization.mics_hierarchical_params_gather": Refused(
         "zeroray's shard groups stay inside a node (shard_group_size), so their gathers need no hierarchy"
     ),

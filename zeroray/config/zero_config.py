@@ -248,9 +248,41 @@ class CompileConfig:
             )
 
 
+@dataclass(frozen=True)
+class QuantizeConfig:
+    """ZeRO++'s quantized collectives (DeepSpeed's ``zero_quantized_weights`` / ``zero_quantized_gradients``).
+
+    ``weights`` (qwZ, stage 3): the forward's all-gather moves int8 codes, one fp32 scale per ``block_size``
+    values. ``gradients`` (qgZ, stages 2-3): the gradient reduce-scatter is an all-to-all of ``gradient_bits``
+    codes (4 or 8), hierarchical when the node layout is known. Masters and optimizer states stay full precision."""
+
+    weights: bool = False
+    gradients: bool = False
+    block_size: int = 256
+    gradient_bits: int = 8
+
+    def problems(self, stage: Any) -> Problems:
+        yield from _flag("quantize.weights", self.weights)
+        yield from _flag("quantize.gradients", self.gradients)
+        b = self.block_size
+        if not _is_int(b) or b < 8 or b > 65536 or b & (b - 1):
+            yield "quantize.block_size", f"must be a power of two from 8 to 65536 (values per scale), got {b!r}"
+        if self.gradient_bits not in (4, 8) or isinstance(self.gradient_bits, bool):
+            yield "quantize.gradient_bits", f"must be 4 or 8, got {self.gradient_bits!r}"
+        if self.weights is True and stage != 3:
+            yield "quantize.weights", (
+                f"qwZ quantizes stage 3's parameter gathers; it needs stage 3, got stage {stage!r}"
+            )
+        if self.gradients is True and stage not in (2, 3):
+            yield "quantize.gradients", (
+                f"qgZ quantizes the reduce-scatter of sharded gradients; it needs stage 2 or 3, got stage {stage!r}"
+            )
+
+
 _SUB = {
     "comm": CommConfig,
     "compile": CompileConfig,
+    "quantize": QuantizeConfig,
     "loss_scaling": LossScaleConfig,
     "offload_optimizer": OffloadConfig,
     "offload_param": OffloadConfig,
@@ -298,6 +330,8 @@ class ZeroConfig:
     hpz_partition_size: int | str | None = None
     # torch.compile of each unit, the engine's hooks around them (see CompileConfig).
     compile: CompileConfig = field(default_factory=CompileConfig)
+    # ZeRO++'s quantized weight gathers (qwZ) and gradient reductions (qgZ) (see QuantizeConfig).
+    quantize: QuantizeConfig = field(default_factory=QuantizeConfig)
 
     def __post_init__(self) -> None:
         problems: list[tuple[str, str]] = []
@@ -350,6 +384,10 @@ class ZeroConfig:
             yield from self.compile.problems(self.stage)
         else:
             yield "compile", f"must be a CompileConfig or a dict, got {self.compile!r}"
+        if isinstance(self.quantize, QuantizeConfig):
+            yield from self.quantize.problems(self.stage)
+        else:
+            yield "quantize", f"must be a QuantizeConfig or a dict, got {self.quantize!r}"
         for name in ("offload_optimizer", "offload_param"):
             sub = getattr(self, name)
             if isinstance(sub, OffloadConfig):

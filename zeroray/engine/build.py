@@ -38,6 +38,7 @@ from zeroray.engine.offload.param_files import ParamFiles
 from zeroray.engine.offload.resident import ResidentHome
 from zeroray.engine.param_guard import ParamGuard
 from zeroray.engine.phase_timer import PhaseTimer
+from zeroray.engine.quantized_comm import QuantizedGather, QuantizedReduceScatter
 from zeroray.engine.reducer import GradReducer
 from zeroray.engine.schedule import UnitScheduler
 from zeroray.engine.sharded_optim import (
@@ -149,7 +150,8 @@ def build_engine(
     if config.stage == 0 and mesh is not None:
         raise ValueError("a mesh (hybrid sharding) applies to stages 1-3; stage 0 replicates every state already")
     topology = Topology.build(process_group, config.comm, shard_group_size=config.shard_group_size, mesh=mesh,
-                              nodes=nodes, hpz_partition_size=config.hpz_partition_size)
+                              nodes=nodes, hpz_partition_size=config.hpz_partition_size,
+                              node_levels=config.quantize.gradients)
     comm = topology.world
     loss_scaler = LossScaler(config)
     phases = PhaseTimer(device)
@@ -279,6 +281,11 @@ def _lay_out(
     groups: list[FlatGroup] = []
     gather_pool = GatherPool()
     gather_check = GatherCheck(topology.shard) if sharding.shards_params else None
+    quantize = config.quantize
+    qwz = QuantizedGather(quantize.block_size) if quantize.weights else None
+    qgz = None
+    if quantize.gradients:
+        qgz = QuantizedReduceScatter(quantize.gradient_bits, quantize.block_size, topology.shard, topology.node, topology.cross)
     unit_groups: dict[int | None, list[FlatGroup]] = {}
     pending: list[FlatGroup] = []  # stage 3: groups with meta parameters, installed once initialized
     for plan in plans:
@@ -299,6 +306,8 @@ def _lay_out(
             replicas=topology.replicas,
             world=topology.world,
             secondary=topology.secondary,
+            qwz=qwz if floating else None,
+            qgz=qgz if floating and plan.param_group is not None else None,
         )
         if g.has_meta:
             pending.append(g)

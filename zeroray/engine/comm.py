@@ -306,8 +306,9 @@ class Comm:
             lambda o, f: _reduce_scatter_single(o, f, group=self.group, async_op=True), [out, full], async_op
         )
 
-    def all_gather(self, full: torch.Tensor, shard: torch.Tensor, async_op: bool = False) -> Handle:
-        """Fill ``full`` with every rank's ``shard`` (rank r's at ``[r*S, (r+1)*S)``).
+    def all_gather(self, full: torch.Tensor, shard: torch.Tensor, async_op: bool = False,
+                   kind: str = "all_gather") -> Handle:
+        """Fill ``full`` with every rank's ``shard`` (rank r's at ``[r*S, (r+1)*S)``), counted under ``kind``.
 
         ``shard`` may be the view ``full[rank*S:(rank+1)*S]`` itself.
         """
@@ -315,7 +316,7 @@ class Comm:
             if full.data_ptr() != shard.data_ptr():
                 full.copy_(shard)
             return Handle()
-        self._count("all_gather", full.numel() * full.element_size())
+        self._count(kind, full.numel() * full.element_size())
         s = shard.numel()
         mine = full[self.rank * s : (self.rank + 1) * s]
         if self.gather_by_broadcast:
@@ -330,6 +331,17 @@ class Comm:
             )
         src = shard.clone() if mine.data_ptr() == shard.data_ptr() else shard
         return self._issue(lambda f, x: _all_gather_single(f, x, group=self.group, async_op=True), [full, src], async_op)
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, kind: str, async_op: bool = False) -> Handle:
+        """Rank r's ``out[s*C:(s+1)*C]`` gets rank s's ``inp[r*C:(r+1)*C]`` (1-D, C = numel / world), counted
+        under ``kind`` by the size of ``inp`` (what a reduce-scatter of it counts)."""
+        if self.world_size == 1:
+            out.copy_(inp)
+            return Handle()
+        self._count(kind, inp.numel() * inp.element_size())
+        return self._issue(
+            lambda o, i: dist.all_to_all_single(o, i, group=self.group, async_op=True), [out, inp], async_op
+        )
 
     def broadcast(self, t: torch.Tensor, src: int = 0) -> None:
         """Synchronous broadcast from group rank ``src`` (used to start all ranks from rank 0's weights)."""

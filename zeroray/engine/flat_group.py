@@ -39,6 +39,7 @@ from zeroray.engine import layout
 from zeroray.engine.comm import Chain, Comm, Handle
 from zeroray.engine.gather_pool import GatherPool
 from zeroray.engine.grad_buffer import GradBuffer
+from zeroray.engine.quantized_comm import QuantizedGather, QuantizedReduceScatter
 
 
 class ShardFiles(Protocol):
@@ -89,6 +90,8 @@ class FlatGroup:
         replicas: Comm | None = None,
         world: Comm | None = None,
         secondary: Comm | None = None,
+        qwz: QuantizedGather | None = None,
+        qgz: QuantizedReduceScatter | None = None,
     ):
         self.name = name
         self.comm = comm  # the shard group: gathers and reductions (every rank unless hybrid)
@@ -99,6 +102,8 @@ class FlatGroup:
         # 1/h of the gathered parameters, so the backward's gather runs inside the node (see keep_secondary).
         self.secondary_comm = secondary
         self._secondary: torch.Tensor | None = None
+        self.qwz = qwz  # ZeRO++: the forward's gathers in int8 (stage 3) ...
+        self.qgz = qgz  # ... and the gradient reduce-scatter as a quantized all-to-all (stages 2-3)
         self.pool = pool  # where gathered memory comes from and goes back to (sharded params)
         self.check = check  # called with the group's name before each gather (a GatherCheck)
         self.sharding = sharding
@@ -278,8 +283,9 @@ class FlatGroup:
             self.full.untyped_storage().resize_(0)
         self.state = ParamState.FREED
 
-    def start_gather(self) -> None:
-        """Issue the all-gather of this group's shards (async); no-op unless freed."""
+    def start_gather(self, quantized: bool = False) -> None:
+        """Issue the all-gather of this group's shards (async); no-op unless freed. ``quantized``: a forward's
+        gather, in int8 under qwZ."""
         if self.state is not ParamState.FREED:
             return
         if self.check is not None:
@@ -297,7 +303,10 @@ class FlatGroup:
             shard = self.shard
         else:  # an offloaded shard comes to the device first (on a CPU-only machine it is there already)
             shard = self.shard.to(self.device, non_blocking=True)
-        self._gather = self.comm.all_gather(self.full, shard, async_op=True)
+        if quantized and self.qwz is not None:
+            self._gather = self.qwz.all_gather(self.comm, self.full, shard)
+        else:
+            self._gather = self.comm.all_gather(self.full, shard, async_op=True)
         self.state = ParamState.GATHERING
 
     def wait_gather(self) -> None:
@@ -371,13 +380,16 @@ class FlatGroup:
         inv = 1.0 / self.world_size
         if persistent:
             buf.mark_reduced()
-        if self.shard_world == 1 or not comm.use_reduce_scatter:
+        if self.shard_world == 1 or not (comm.use_reduce_scatter or self.qgz is not None):
             h = self._across_replicas(comm.all_reduce(data, async_op=async_op), data[self.lo : self.hi])
             if persistent:  # grad_shard is a view of it: average just that part
                 return h.then(lambda: self.grad_shard.mul_(inv)) if inv != 1.0 else h
             lo, hi = self.lo, self.hi
             return h.then(lambda: self._average_into_shard(data[lo:hi], inv, own=False))
         out = torch.empty(self.shard_numel, dtype=data.dtype, device=data.device)
+        if self.qgz is not None and not persistent:  # always async
+            return self._across_replicas(self.qgz.reduce_scatter(out, data), out).then(
+                lambda: self._average_into_shard(out, inv, own=True))
         h = self._across_replicas(comm.reduce_scatter(out, data, async_op=async_op), out)
         if persistent:
             return h.then(lambda: torch.mul(out, inv, out=self.grad_shard))

@@ -89,12 +89,12 @@ class UnitScheduler:
         """The root unit, then the units."""
         return [self.root, *self.units]
 
-    def _prefetch(self, order: list[Unit], start: int) -> None:
+    def _prefetch(self, order: list[Unit], start: int, forward: bool = False) -> None:
         budget = self.prefetch_numel
         for unit in order[start:]:
             if budget <= 0:
                 break
-            unit.prefetch()
+            unit.prefetch(forward)
             budget -= unit.numel
         self._read_ahead(order[start:])
 
@@ -115,14 +115,14 @@ class UnitScheduler:
         """A module holding root parameters runs after the root was freed early in this backward
         (a checkpointed region recomputing): gather it again until the backward ends."""
         if self.root.state is TrainingState.POST_BACKWARD and not self.root.gathered:
-            self.root.gather()
+            self.root.gather(forward=True)  # what the first forward computed with (int8 under qwZ)
 
     def _pre_forward(self, unit: Unit, module: nn.Module, args: Any) -> None:
         self._fwd.append(unit)
         unit.pre_forward()
         pos = len(self._fwd)
         if pos <= len(self.order) and self.order[pos - 1] is unit:
-            self._prefetch(self.order, pos)
+            self._prefetch(self.order, pos, forward=True)
 
     def _post_forward(self, unit: Unit, module: nn.Module, args: Any, output: Any) -> None:
         backward_follows = False

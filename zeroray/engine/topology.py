@@ -11,7 +11,11 @@ hpZ (ZeRO++'s hierarchical partitioning, stage 3) adds a *secondary* group of h 
 inside each shard group (the ranks of a node): after a unit's forward each rank keeps 1/h of its gathered
 parameters, and the unit's backward gathers them from the secondary group, inside the node.
 
-The engine sends four kinds of traffic, each on its own :class:`Comm`:
+qgZ (ZeRO++'s quantized gradients) reduces hierarchically when the shard group spans nodes with m ranks on
+each, node-major: ``node`` holds the m ranks of this rank's node among the shard group, ``cross`` the ranks at
+this rank's place on every node (see :mod:`zeroray.engine.quantized_comm`).
+
+The engine sends four kinds of traffic (six with qgZ's levels), each on its own :class:`Comm`:
 
 - ``shard``: gathers and gradient reductions of the states (the whole world when flat);
 - ``replicas``: the all-reduce of each gradient shard across the groups (None when flat);
@@ -70,6 +74,27 @@ def _secondary(shard_groups: list[list[int]], h: int) -> dist.ProcessGroup:
     return group
 
 
+def _node_runs(shard_groups: list[list[int]], world_ranks: list[int], nodes: Sequence[str]) -> int | None:
+    """m when every shard group (global ranks, ascending) holds m > 1 consecutive ranks of each of its 2 or
+    more nodes (what a hierarchical reduction needs), else None."""
+    sizes = set()
+    for g in shard_groups:
+        if g != sorted(g):
+            return None
+        owners = [nodes[world_ranks.index(r)] for r in g]
+        runs = [owners[0]]
+        for a, b in zip(owners, owners[1:]):
+            if a != b:
+                runs.append(b)
+        if len(runs) != len(set(runs)) or len(runs) < 2 or len(g) % len(runs):
+            return None
+        m = len(g) // len(runs)
+        if any(owners[i] != owners[i - i % m] for i in range(len(g))):
+            return None
+        sizes.add(m)
+    return sizes.pop() if len(sizes) == 1 and min(sizes) > 1 else None
+
+
 def _column(shard_groups: list[list[int]], world_ranks: list[int], me: int) -> tuple[int, ...]:
     """The world-group ranks at world rank ``me``'s place in every shard group (global ranks in the groups)."""
     mine = next(g for g in shard_groups if world_ranks[me] in g)
@@ -86,6 +111,8 @@ class Topology:
     replicas: Comm | None = None
     nodes: tuple[str, ...] | None = None  # the node of each world rank
     secondary: Comm | None = None  # hpZ
+    node: Comm | None = None  # qgZ's levels: this rank's node among the shard group ...
+    cross: Comm | None = None  # ... and the ranks at its place on every node
     # The world ranks holding the same shards as this one (this rank's column of the mesh), hybrid only: a
     # recovery finds a lost rank's state on them. Kept as numbers, since an aborted group is dropped.
     replica_ranks: tuple[int, ...] | None = None
@@ -101,11 +128,14 @@ class Topology:
         mesh: object | None = None,
         nodes: Sequence[object] | None = None,
         hpz_partition_size: int | str | None = None,
+        node_levels: bool = False,
     ) -> Topology:
-        """Collective when hybrid or hpZ (the groups are made on every rank). ``shard_group_size`` k: shard
-        over k consecutive ranks, replicate across the N/k groups (None or N: flat); ``mesh``: a 2-D
+        """Collective when hybrid, hpZ or ``node_levels`` (the groups are made on every rank). ``shard_group_size``
+        k: shard over k consecutive ranks, replicate across the N/k groups (None or N: flat); ``mesh``: a 2-D
         ``DeviceMesh`` ``("replicate", "shard")`` to use instead; ``nodes``: each rank's node;
-        ``hpz_partition_size`` h: hpZ's secondary groups of h consecutive ranks of a shard group."""
+        ``hpz_partition_size`` h: hpZ's secondary groups of h consecutive ranks of a shard group;
+        ``node_levels``: also the ``node`` and ``cross`` groups of qgZ's hierarchical reduction, where ``nodes``
+        shows that the shard groups span nodes with equal rank counts (else they stay None)."""
         def comm(group: dist.ProcessGroup | None) -> Comm:
             return Comm(group, comm_config.reduce_scatter, comm_config.all_gather_by_broadcast)
 
@@ -143,16 +173,25 @@ class Topology:
         else:
             shard_groups, shard, replicate = [], None, None
         secondary = comm(_secondary(shard_groups, h)) if h is not None else None
+        levels: tuple[Comm | None, Comm | None] = (None, None)
+        if node_levels and nodes is not None and n > 1:
+            world_ranks = dist.get_process_group_ranks(process_group)
+            groups = shard_groups or [world_ranks]
+            m = _node_runs(groups, world_ranks, nodes)
+            if m is not None:
+                node, _ = dist.new_subgroups_by_enumeration([g[i : i + m] for g in groups for i in range(0, len(g), m)])
+                cross, _ = dist.new_subgroups_by_enumeration([g[place::m] for g in groups for place in range(m)])
+                levels = (comm(node), comm(cross))
         if shard is None:
-            return cls._with_nodes(world, world, None, nodes, secondary)
-        topo = cls._with_nodes(world, comm(shard), comm(replicate), nodes, secondary)
+            return cls._with_nodes(world, world, None, nodes, secondary, levels)
+        topo = cls._with_nodes(world, comm(shard), comm(replicate), nodes, secondary, levels)
         topo.replica_ranks = _column(shard_groups, dist.get_process_group_ranks(world.group), world.rank)
         return topo
 
     @classmethod
     def _with_nodes(cls, world: Comm, shard: Comm, replicas: Comm | None, nodes: tuple[str, ...] | None,
-                    secondary: Comm | None) -> Topology:
-        topo = cls(world, shard, replicas, nodes, secondary)
+                    secondary: Comm | None, levels: tuple[Comm | None, Comm | None] = (None, None)) -> Topology:
+        topo = cls(world, shard, replicas, nodes, secondary, *levels)
         if nodes is not None:
             topo._spans = {id(c): topo._group_spans(c) for c in topo.comms}
         return topo
@@ -170,7 +209,7 @@ class Topology:
     def comms(self) -> list[Comm]:
         """Every distinct communicator, world first."""
         out = [self.world]
-        for c in (self.shard, self.replicas, self.secondary):
+        for c in (self.shard, self.replicas, self.secondary, self.node, self.cross):
             if c is not None and all(c is not o for o in out):
                 out.append(c)
         return out

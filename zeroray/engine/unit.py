@@ -49,13 +49,13 @@ class Unit:
     def gathered(self) -> bool:
         return all(g.state is ParamState.GATHERED for g in self.groups)
 
-    def prefetch(self) -> None:
-        """Issue the all-gathers of every group (async)."""
+    def prefetch(self, forward: bool = False) -> None:
+        """Issue the all-gathers of every group (async); ``forward``: for a forward (int8 under qwZ)."""
         for g in self.groups:
-            g.start_gather()
+            g.start_gather(quantized=forward)
 
-    def gather(self) -> None:
-        self.prefetch()
+    def gather(self, forward: bool = False) -> None:
+        self.prefetch(forward)
         for g in self.groups:
             g.wait_gather()
 
@@ -82,7 +82,7 @@ class Unit:
     # ------------------------------------------------------------------ forward / backward
     def pre_forward(self) -> None:
         self.state = TrainingState.FORWARD
-        self.gather()
+        self.gather(forward=True)
 
     def post_forward(self, backward_follows: bool) -> None:
         if not backward_follows:

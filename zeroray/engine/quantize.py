@@ -1,0 +1,87 @@
+"""Block-wise symmetric integer quantization: the kernels of ZeRO++'s quantized collectives (qwZ, qgZ).
+
+A row of values is cut into blocks of ``block`` elements (the last one padded with zeros). Each block
+keeps one fp32 scale, its largest magnitude divided by the largest code (127 for int8, 7 for int4), and
+each element keeps the nearest integer code of value / scale (round half to even: no stochastic rounding,
+so a fixed input always gives the same codes). int4 codes are stored two a byte, offset by 8. A quantized
+row is one uint8 buffer, codes then scales, so one collective moves both:
+``row_bytes(n) = ceil(n / block) * (block * bits / 8 + 4)``.
+
+Error: each element is within ``scale / 2 = max|block| / (2 * qmax)`` of its value.
+Non-finite values: a block holding inf or nan gets a non-finite scale and dequantizes to non-finite values
+(0 x inf = nan), so the fp16 overflow check after a quantized reduction still sees the overflow.
+
+Only vectorized torch ops: the same code runs on CPU and CUDA.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SCALE_BYTES = 4  # one fp32 scale per block
+BITS = (4, 8)
+
+
+@dataclass(frozen=True)
+class BlockQuantizer:
+    """int ``bits`` codes with one scale per ``block`` elements (a power of two, at least 8)."""
+
+    bits: int
+    block: int
+
+    def __post_init__(self) -> None:
+        if self.bits not in BITS:
+            raise ValueError(f"bits must be 4 or 8, got {self.bits!r}")
+        if not isinstance(self.block, int) or self.block < 8 or self.block & (self.block - 1):
+            raise ValueError(f"block must be a power of two >= 8, got {self.block!r}")
+
+    @property
+    def qmax(self) -> int:
+        return 2 ** (self.bits - 1) - 1
+
+    def blocks(self, n: int) -> int:
+        return -(-n // self.block)
+
+    def code_bytes(self, n: int) -> int:
+        return self.blocks(n) * self.block * self.bits // 8
+
+    def row_bytes(self, n: int) -> int:
+        """Bytes of one quantized row of ``n`` values: codes, then the scales."""
+        return self.code_bytes(n) + self.blocks(n) * SCALE_BYTES
+
+    def quantize(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Quantize each row of ``x`` (``(..., n)``, any float dtype and strides; R rows in all) into ``out``
+        (uint8 ``(R, row_bytes(n))``, made when None); returns ``out``."""
+        n = x.shape[-1]
+        rows = x.numel() // n
+        nb, padded, cb = self.blocks(n), self.blocks(n) * self.block, self.code_bytes(n)
+        if out is None:
+            out = torch.empty(rows, self.row_bytes(n), dtype=torch.uint8, device=x.device)
+        values = torch.empty(*x.shape[:-1], padded, dtype=torch.float32, device=x.device)
+        values[..., :n].copy_(x)
+        values[..., n:].zero_()
+        blocks = values.view(rows, nb, self.block)
+        scale = blocks.abs().amax(-1).div_(self.qmax)  # (rows, nb); inf or nan where the block has one
+        inv = torch.where(scale > 0, scale.reciprocal(), torch.zeros((), dtype=scale.dtype, device=scale.device))
+        codes = blocks.mul_(inv.unsqueeze(-1)).round_().clamp_(-self.qmax, self.qmax).view(rows, padded)
+        if self.bits == 8:
+            out[:, :cb].view(torch.int8).copy_(codes)
+        else:  # two codes a byte: the first in the low nibble
+            pairs = codes.add_(8).view(rows, padded // 2, 2)
+            out[:, :cb].copy_(pairs[..., 1].mul(16).add_(pairs[..., 0]))
+        out[:, cb:].view(torch.float32).copy_(scale)
+        return out
+
+    def dequantize(self, q: torch.Tensor, n: int) -> torch.Tensor:
+        """The fp32 values ``(R, n)`` of the quantized rows ``q`` (uint8 ``(R, row_bytes(n))``)."""
+        rows = q.shape[0]
+        nb, padded, cb = self.blocks(n), self.blocks(n) * self.block, self.code_bytes(n)
+        codes = q[:, :cb]
+        if self.bits == 8:
+            values = codes.view(torch.int8).to(torch.float32)
+        else:
+            values = torch.stack((codes & 15, codes >> 4), dim=-1).view(rows, padded).to(torch.float32).sub_(8)
+        scale = q[:, cb:].view(torch.float32)
+        return values.view(rows, nb, self.block).mul_(scale.unsqueeze(-1)).view(rows, padded)[:, :n]

@@ -1,0 +1,83 @@
+"""ZeRO++'s quantized collectives (Wang et al., 2023): qwZ's weight gather and qgZ's gradient reduce-scatter.
+
+- **qwZ** (:class:`QuantizedGather`): stage 3's forward all-gather moves int8 codes with one fp32 scale per
+  block instead of the compute-dtype weights; every rank, the sender included, dequantizes every shard on
+  arrival, so all ranks compute with the same weights. The master and the sharded states stay full precision;
+  the backward's gather is a full-precision one (or hpZ's secondary copy, which holds the forward's values).
+- **qgZ** (:class:`QuantizedReduceScatter`): the gradient reduce-scatter becomes an all-to-all of quantized
+  rows: row r of each rank's gradient buffer goes to rank r, which dequantizes the rows it received and sums
+  them in fp32. When the shard group spans nodes with the same number m of ranks on each, in node-major
+  order, it is hierarchical, as in ZeRO++: an all-to-all inside the node first (each rank gets, from its m
+  node peers, the rows of the ranks at its own place on every node), a dequantize-and-sum in fp32, a
+  requantize, then an all-to-all across nodes among the ranks at the same place. Only 1/m of the gradient
+  crosses the node's link per rank, quantized.
+
+Byte counts (``comm_report``), B = ``BlockQuantizer.row_bytes``, S the shard's elements, N the group size:
+qwZ counts ``all_gather_int8`` = N x B(S); qgZ counts ``all_to_all_int<bits>`` = N x B(S) in one level, or
+N x B(S) inside the node plus (N/m) x B(S) across nodes when hierarchical (scales included).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zeroray.engine.comm import Chain, Comm, Handle
+from zeroray.engine.quantize import BlockQuantizer
+
+WEIGHT_BITS = 8
+
+
+class QuantizedGather:
+    """qwZ: a block-wise int8 all-gather of a flat group's shards into its full buffer."""
+
+    def __init__(self, block: int):
+        self.quantizer = BlockQuantizer(WEIGHT_BITS, block)
+        self.kind = f"all_gather_int{WEIGHT_BITS}"
+
+    def all_gather(self, comm: Comm, full: torch.Tensor, shard: torch.Tensor) -> Handle:
+        """Issue the gather of every rank's ``shard`` into ``full`` (``world x shard`` elements, compute dtype);
+        the values land, dequantized, when the handle is waited."""
+        q, world, s = self.quantizer, comm.world_size, shard.numel()
+        send = q.quantize(shard.view(1, s))
+        recv = torch.empty(world, send.shape[1], dtype=torch.uint8, device=send.device)
+        handle = comm.all_gather(recv.view(-1), send.view(-1), async_op=True, kind=self.kind)
+        return handle.then(lambda: full.view(world, s).copy_(q.dequantize(recv, s)))
+
+
+class QuantizedReduceScatter:
+    """qgZ: the sum over ``comm``'s ranks of a flat gradient buffer, this rank's shard of it, through quantized
+    all-to-alls. ``node`` and ``cross`` (both or neither): the ranks of this rank's node among ``comm``'s
+    (its rank there = its place in the node) and the ranks at its place on every node (its rank there = its
+    node's index), for the hierarchical form; ``comm``'s ranks must then be node-major."""
+
+    def __init__(self, bits: int, block: int, comm: Comm, node: Comm | None = None, cross: Comm | None = None):
+        if (node is None) != (cross is None) or (node is not None and node.world_size * cross.world_size != comm.world_size):
+            raise ValueError("a hierarchical qgZ needs a node and a cross-node group whose sizes multiply to the group's")
+        self.quantizer = BlockQuantizer(bits, block)
+        self.kind = f"all_to_all_int{bits}"
+        self.comm, self.node, self.cross = comm, node, cross
+
+    @property
+    def hierarchical(self) -> bool:
+        return self.cross is not None
+
+    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor) -> Handle:
+        """Issue the reduction of ``full`` (``world x S`` elements) into ``out`` (S elements, this rank's part
+        of the sum, written when the handle is waited)."""
+        if self.cross is None:
+            return self._exchange(self.comm, full.view(self.comm.world_size, -1), out)
+        m, n, s = self.node.world_size, self.cross.world_size, out.numel()
+        # Inside the node: to the peer at place l go the rows of ranks j*m + l, for every node j.
+        partial = torch.empty(n, s, dtype=torch.float32, device=out.device)
+        inner = self._exchange(self.node, full.view(n, m, s).transpose(0, 1), partial)
+        return Chain(inner, lambda: self._exchange(self.cross, partial, out))
+
+    def _exchange(self, comm: Comm, rows: torch.Tensor, out: torch.Tensor) -> Handle:
+        """Send quantized ``rows`` (``(world, ..., S)``: the first index is the destination) and sum, in fp32, the
+        rows received into ``out`` (``(..., S)``)."""
+        q, s = self.quantizer, out.shape[-1]
+        send = q.quantize(rows)
+        recv = torch.empty_like(send)
+        handle = comm.all_to_all(recv.view(-1), send.view(-1), self.kind, async_op=True)
+        world = comm.world_size
+        return handle.then(lambda: out.copy_(q.dequantize(recv, s).reshape(world, *out.shape).sum(0)))
