@@ -2,7 +2,9 @@
 network namespaces (tests/support/netcluster.py), each a Ray node with its own address, two ranks each.
 
 The ranks' shard groups must each lie inside one namespace (checked from the addresses the ranks run
-at), only the replica all-reduce may cross the link. Needs root (network namespaces): skipped, naming why, elsewhere.
+at), only the replica all-reduce may cross the link. Then, on the same cluster, full ZeRO++ (hpZ "auto",
+qwZ, qgZ): the node layout ZeroTrainer passes makes qgZ hierarchical, with its first level inside a
+namespace. Needs root (network namespaces): skipped, naming why, elsewhere.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import zeroray.train as zt
 from zeroray.train import RunConfig, ScalingConfig, TrainingFailedError, ZeroTrainer
 
 OUT = sys.argv[1]
+ZERO = sys.argv[2]
 ray.init()
 deadline = time.monotonic() + 60
 while len([n for n in ray.nodes() if n["Alive"]]) < 2:
@@ -50,6 +53,7 @@ def loop(config):
         "shard_size": engine.topology.shard_size,
         "shard_ranks": dist.get_process_group_ranks(group) if group is not None else [ctx.get_world_rank()],
         "scoped": engine.comm_report(by_scope=True),
+        "node_ranks": dist.get_process_group_ranks(engine.topology.node.group) if engine.topology.node else None,
     }
     path = os.path.join(config["out"], f"rank{me['rank']}.json")
     with open(path + ".tmp", "w") as f:
@@ -63,7 +67,7 @@ trainer = ZeroTrainer(
     train_loop_config={"out": OUT},
     scaling_config=ScalingConfig(num_workers=4, placement_strategy="SPREAD"),
     run_config=RunConfig(name="hybrid", storage_path=os.path.join(OUT, "runs"), progress_bar=False),
-    zero_config=zeroray.ZeroConfig(stage=3, shard_group_size="auto"),
+    zero_config=zeroray.ZeroConfig(**ZERO),
 )
 try:
     result = trainer.fit()
@@ -73,19 +77,22 @@ except TrainingFailedError as e:
 """
 
 
-@pytest.mark.timeout(600)
+def _fit(ray, out, zero: dict) -> tuple[list[dict], dict]:
+    out.mkdir()
+    done = ray.run_driver(DRIVER.replace("sys.argv[1]", repr(str(out))).replace("sys.argv[2]", repr(zero)),
+                          timeout_s=400)
+    outcome = json.loads(done.stdout.strip().splitlines()[-1])
+    assert outcome["ok"], done.stdout[-3000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)], outcome
+
+
+@pytest.mark.timeout(900)
 def test_auto_puts_each_shard_group_inside_one_node(tmp_path) -> None:
     with NetCluster(2) as net:
         ray = start_ray(net, num_cpus=2)
-        out = tmp_path / "four"
-        out.mkdir()
-        done = ray.run_driver(DRIVER.replace("sys.argv[1]", repr(str(out))),
-                              timeout_s=400)
-        outcome = json.loads(done.stdout.strip().splitlines()[-1])
-        assert outcome["ok"], done.stdout[-3000:]
+        ranks, outcome = _fit(ray, tmp_path / "hybrid", {"stage": 3, "shard_group_size": "auto"})
         # The reports (metrics, Grafana) carry the bytes by scope.
         assert "inter_node:all_reduce" in outcome["kinds"] and "intra_node:all_gather" in outcome["kinds"], outcome
-        ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
         namespaces = {node.ip for node in net.nodes}
         assert {r["ip"] for r in ranks} == namespaces  # the ranks really run on both nodes
         for r in ranks:
@@ -94,3 +101,14 @@ def test_auto_puts_each_shard_group_inside_one_node(tmp_path) -> None:
             assert len({m["ip"] for m in members}) == 1 and len({m["netns"] for m in members}) == 1, ranks
             # Only the gradient shards' all-reduce over the replicas crosses the link.
             assert {k for k in r["scoped"] if k.startswith("inter_node:")} == {"inter_node:all_reduce"}, r
+
+        # Full ZeRO++ on the same cluster: qgZ's first all-to-all runs among the ranks of one namespace.
+        zeropp = {"stage": 3, "hpz_partition_size": "auto", "quantize": {"weights": True, "gradients": True}}
+        ranks, outcome = _fit(ray, tmp_path / "zeropp", zeropp)
+        assert "inter_node:all_to_all_int8" in outcome["kinds"], outcome
+        for r in ranks:
+            members = [ranks[m] for m in r["node_ranks"]]
+            assert len(members) == 2 and len({m["ip"] for m in members}) == 1, ranks
+            assert {k for k in r["scoped"] if k.startswith("inter_node:") and r["scoped"][k] > 1000} == {
+                "inter_node:all_gather_int8", "inter_node:all_to_all_int8"}, r  # the rest: control messages
+            assert r["scoped"]["intra_node:all_gather"] > 0  # hpZ's backward gathers

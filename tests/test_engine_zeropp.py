@@ -1,0 +1,211 @@
+"""ZeRO++ in the engine: qwZ (int8 forward gathers, stage 3) and qgZ (quantized gradient reduce-scatter,
+stages 2-3), on 4 gloo ranks laid out as 2 "nodes" of 2.
+
+Quantized runs cannot equal the unquantized ones bit for bit, so they are held to what quantization
+allows: the reduced gradients of a step within a step of the code of the exact ones, losses close to
+the unquantized run's, masters and checkpoints untouched by quantization, the bytes of each link class
+equal to the formulas, the same losses run to run, and the fp16 overflow check still seeing an overflow.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import zeroray
+from tests.support.dist import run_ranks
+from tests.support.models import TinyLM, batches
+from tests.support.recipe import GAS, OPT_STEPS, config, optimizer, train
+from zeroray.config import ConfigError, ZeroConfig
+from zeroray.config.load import load_config
+from zeroray.engine.quantize import BlockQuantizer
+
+NODES = ["node-0", "node-0", "node-1", "node-1"]
+
+
+def _grad_shards(engine: zeroray.ZeroEngine, data: list) -> list[torch.Tensor]:
+    """The reduced gradient shards of one optimizer step (taken before the step), then the step."""
+    for i, (x, y) in enumerate(data[:GAS]):
+        engine.backward(engine(x, y))
+        if i < GAS - 1:
+            engine.step()
+    shards = [g.grad_shard.clone() for g in engine.groups if g.trainable]
+    engine.step()
+    return shards
+
+
+def _run(rank: int, world: int, cases: list[dict]) -> list[dict]:
+    data = batches(rank, GAS * OPT_STEPS)
+    torch.manual_seed(0)
+    init = TinyLM()
+    out = []
+    for case in copy.deepcopy(cases):
+        stage, precision = case.pop("stage", 3), case.pop("precision", "fp32")
+        model = copy.deepcopy(init)
+        engine = zeroray.initialize(model, optimizer(model), config(stage, precision, **case), nodes=NODES)
+        shards = _grad_shards(engine, data)
+        engine.reset_comm_report()
+        losses = train(engine, data[GAS:])
+        out.append({"shards": shards, "losses": losses, "bytes": engine.comm_report(by_scope=True),
+                    "state": engine.full_state_dict(), "norm": engine.last_grad_norm,
+                    "units": [[(g.padded, g.shard_numel) for g in u.groups] for u in engine.scheduler.all_units]
+                    if stage == 3 else None})
+        engine.close()
+    return out
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+CASES = [
+    {},  # 0: unquantized stage 3
+    {"quantize": {"weights": True}},  # 1: qwZ
+    {"quantize": {"gradients": True}},  # 2: qgZ int8, hierarchical
+    {"quantize": {"gradients": True, "gradient_bits": 4}},  # 3: qgZ int4
+    {"quantize": {"weights": True, "gradients": True}, "hpz_partition_size": 2},  # 4: full ZeRO++
+    {"stage": 2},  # 5: unquantized stage 2
+    {"stage": 2, "quantize": {"gradients": True}},  # 6: qgZ at stage 2
+    {"quantize": {"weights": True, "gradients": True}, "shard_group_size": 2},  # 7: on top of hybrid
+    {"quantize": {"weights": True, "gradients": True}, "hpz_partition_size": 2},  # 8: case 4 again
+]
+
+
+@pytest.fixture(scope="module")
+def runs() -> list[list[dict]]:
+    return run_ranks(_run, 4, CASES)
+
+
+def test_reduced_gradients_are_within_the_code_of_the_exact_ones(runs: list[list[dict]]) -> None:
+    for rank in runs:
+        base, base2 = rank[0]["shards"], rank[5]["shards"]
+        for i, bound in ((1, 0.05), (2, 0.02), (3, 0.3), (4, 0.05)):
+            for got, want in zip(rank[i]["shards"], base, strict=True):
+                assert _rel(got, want) < bound, (i, _rel(got, want))
+        assert max(_rel(g, w) for g, w in zip(rank[2]["shards"], base)) > 0  # it did quantize
+        for got, want in zip(rank[6]["shards"], base2, strict=True):
+            assert _rel(got, want) < 0.02
+
+
+def test_losses_stay_close_to_the_unquantized_run_and_repeat_exactly(runs: list[list[dict]]) -> None:
+    for rank in runs:
+        base = rank[0]["losses"]
+        for i in (1, 2, 3, 4, 7):
+            assert max(abs(a - b) / b for a, b in zip(rank[i]["losses"], base)) < 0.02, i
+        assert rank[4]["losses"] == rank[8]["losses"]  # a fixed seed: the same losses run to run
+        assert rank[4]["state"].keys() == rank[8]["state"].keys()
+        for name, t in rank[4]["state"].items():
+            assert torch.equal(t, rank[8]["state"][name]), name
+
+
+def test_bytes_by_link_class_equal_the_formulas(runs: list[list[dict]]) -> None:
+    """Two optimizer steps of GAS micro-steps, 2 nodes x 2 ranks, fp32. qwZ: each forward gathers every unit
+    in int8 (N rows of row_bytes(S)); the backward gathers it again in fp32. qgZ: every micro-step reduces each
+    trainable group through the node (N rows) and across nodes (N/m = 2 rows)."""
+    micro = GAS * (OPT_STEPS - 1)
+    q8 = BlockQuantizer(8, 256)
+    r0 = runs[0]
+    root, *units = r0[0]["units"]  # the root unit stays gathered from its forward to the end of backward
+    fp32_backward = micro * sum(padded * 4 for u in units for padded, _ in u)
+    int8_forward = micro * sum(4 * q8.row_bytes(s) for u in (root, *units) for _, s in u)
+    qwz = r0[1]["bytes"]
+    assert qwz["inter_node:all_gather_int8"] == int8_forward
+    assert qwz["inter_node:all_gather"] == fp32_backward
+    assert r0[0]["bytes"]["inter_node:all_gather"] == 2 * fp32_backward + micro * sum(p * 4 for p, _ in root)
+    qgz = r0[2]["bytes"]
+    assert qgz["intra_node:all_to_all_int8"] == 2 * qgz["inter_node:all_to_all_int8"]
+    assert "inter_node:reduce_scatter" not in qgz and "inter_node:all_reduce" not in {
+        k for k, v in qgz.items() if v > 1000
+    }
+    full = r0[4]["bytes"]  # hpZ + qwZ + qgZ: only the int8 forward gathers and a quarter of the int8 gradients cross
+    flat = r0[0]["bytes"]
+    inter = sum(v for k, v in full.items() if k.startswith("inter_node:"))
+    assert inter < 0.3 * sum(v for k, v in flat.items() if k.startswith("inter_node:"))
+
+
+def test_checkpoints_and_masters_are_untouched_by_quantization(runs: list[list[dict]]) -> None:
+    """full_state_dict gathers in full precision: the quantized runs' weights are the masters', and they moved."""
+    for rank in runs:
+        for i in (1, 4):
+            state = rank[i]["state"]
+            assert all(t.dtype == torch.float32 for t in state.values())
+            assert any(not torch.equal(state[n], rank[0]["state"][n]) for n in state)
+        assert all(torch.equal(a, b) for a, b in zip(runs[0][4]["state"].values(), rank[4]["state"].values()))
+
+
+def _forward_weights(rank: int, world: int) -> dict:
+    """qwZ at the first forward: a unit's parameters hold the int8-dequantized values on every rank, while
+    gathered_parameters (full precision) gives the exact ones."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    blk = model.h[0]
+    exact = {n: p.detach().clone() for n, p in blk.named_parameters()}
+    engine = zeroray.initialize(model, optimizer(model), config(3, "fp32", quantize={"weights": True}))
+    seen = {}
+    # A pre-hook registered after the engine's: it runs once the unit is gathered.
+    hook = blk.register_forward_pre_hook(lambda m, a: seen.update({n: p.detach().clone() for n, p in m.named_parameters()}))
+    x, y = batches(rank, 1)[0]
+    engine.backward(engine(x, y))
+    hook.remove()
+    with engine.gathered_parameters():
+        after = {n: p.detach().clone() for n, p in blk.named_parameters()}
+    engine.close()
+    return {"seen": seen, "exact": exact, "after": after}
+
+
+def test_the_forward_sees_dequantized_weights_and_the_shards_stay_exact() -> None:
+    res = run_ranks(_forward_weights, 2)
+    for r in res:
+        # A block of 256 values may span several parameters of the unit: half a step of the largest is the bound.
+        half_step = max(float(w.abs().max()) for w in r["exact"].values()) / 254 * (1 + 1e-6)
+        for name, w in r["exact"].items():
+            assert torch.equal(r["after"][name], w), name  # no step yet: the shards are the exact values
+            assert torch.equal(r["seen"][name], res[0]["seen"][name])  # every rank computes with the same weights
+            assert float((r["seen"][name] - w).abs().max()) <= half_step, name
+        assert any(not torch.equal(r["seen"][n], w) for n, w in r["exact"].items())
+
+
+def _fp16_overflow(rank: int, world: int) -> list[list[int]]:
+    out = []
+    for quantize in ({"gradients": True, "gradient_bits": 4}, {}):
+        torch.manual_seed(0)
+        model = TinyLM()
+        cfg = config(3, "fp16", quantize=quantize, loss_scaling={"initial_scale_power": 8})
+        engine = zeroray.initialize(model, optimizer(model), cfg, nodes=NODES)
+        x, y = batches(rank, 1)[0]
+        skipped = []
+        for i in range(2 * GAS):
+            loss = engine(x, y)
+            if i == 1 and rank == 3:
+                loss = loss * float("inf")  # one rank's gradients overflow
+            engine.backward(loss)
+            engine.step()
+            skipped.append(engine.skipped_steps)
+        engine.close()
+        out.append(skipped)
+    return out
+
+
+def test_an_overflow_survives_quantization_and_skips_the_step_on_all_ranks() -> None:
+    for quantized, plain in run_ranks(_fp16_overflow, 4):
+        assert quantized == plain == [0, 1, 1, 1]
+
+
+def test_bad_quantize_settings_fail_before_any_work() -> None:
+    with pytest.raises(ConfigError, match="qwZ quantizes stage 3's parameter gathers; it needs stage 3, got stage 2"):
+        ZeroConfig(stage=2, quantize={"weights": True})
+    with pytest.raises(ConfigError, match="qgZ quantizes the reduce-scatter of sharded gradients; it needs stage 2 or 3"):
+        ZeroConfig(stage=1, quantize={"gradients": True})
+    with pytest.raises(ConfigError, match="quantize.block_size: must be a power of two from 8 to 65536"):
+        ZeroConfig(stage=3, quantize={"weights": True, "block_size": 100})
+    with pytest.raises(ConfigError, match="quantize.gradient_bits: must be 4 or 8, got 2"):
+        ZeroConfig(stage=3, quantize={"gradients": True, "gradient_bits": 2})
+    with pytest.raises(ConfigError, match="quantize.weights: must be true or false"):
+        ZeroConfig(stage=3, quantize={"weights": "yes"})
+    cfg = load_config({"zero_optimization": {"stage": 3, "zero_quantized_weights": True, "zero_quantized_gradients": True,
+                                             "zeroray_quantize_gradient_bits": 4}})
+    assert (cfg.quantize.weights, cfg.quantize.gradients, cfg.quantize.gradient_bits) == (True, True, 4)
+    with pytest.raises(ValueError, match="DeepSpeed config key 'zero_optimization.zero_quantized_gradients': qgZ"):
+        load_config({"zero_optimization": {"stage": 1, "zero_quantized_gradients": True}})

@@ -1,0 +1,160 @@
+"""ZeRO++'s quantizer and quantized collectives (qwZ's int8 gather, qgZ's all-to-all reduce-scatter).
+
+The kernels are checked against their definition (codes, scales, packing, the error bound, non-finite
+blocks); the collectives, on 4 gloo ranks, against the same quantizer applied by hand to every rank's
+input, bit for bit: one level, and hierarchical over 2 "nodes" of 2 ranks, whose bytes by link class
+equal the formulas.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.support.dist import run_ranks
+from zeroray.config import CommConfig
+from zeroray.engine.quantize import BlockQuantizer
+from zeroray.engine.quantized_comm import QuantizedGather, QuantizedReduceScatter
+from zeroray.engine.topology import Topology, _node_runs
+
+
+def _padded_blocks(x: torch.Tensor, q: BlockQuantizer) -> torch.Tensor:
+    out = torch.zeros(x.shape[0], q.blocks(x.shape[1]) * q.block)
+    out[:, : x.shape[1]] = x.float()
+    return out.view(x.shape[0], -1, q.block)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("n", [7, 256, 1000])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_element_is_within_half_a_step_of_its_value(bits: int, n: int, dtype: torch.dtype) -> None:
+    q = BlockQuantizer(bits, 64)
+    x = (torch.randn(3, n, generator=torch.Generator().manual_seed(n)) * torch.logspace(-3, 2, n)).to(dtype)
+    packed = q.quantize(x)
+    assert packed.dtype == torch.uint8 and packed.shape == (3, q.row_bytes(n))
+    assert q.row_bytes(n) == q.blocks(n) * (64 * bits // 8 + 4)
+    y = q.dequantize(packed, n)
+    assert y.dtype == torch.float32 and y.shape == (3, n)
+    blocks = _padded_blocks(x, q)
+    step = blocks.abs().amax(-1, keepdim=True) / q.qmax
+    err = (blocks - _padded_blocks(y, q)).abs()
+    assert bool((err <= step / 2 * (1 + 1e-6)).all())
+    assert float(err.max()) > 0  # it does quantize
+
+
+def test_codes_scales_and_nibble_order() -> None:
+    x = torch.tensor([[1.0, -2.0, 0.5, 0.0, 2.0, -1.0, 0.25, 1.5]])
+    q8 = BlockQuantizer(8, 8).quantize(x)
+    assert q8[0, :8].view(torch.int8).tolist() == [64, -127, 32, 0, 127, -64, 16, 95]  # round half to even
+    assert q8[0, 8:].view(torch.float32).item() == pytest.approx(2.0 / 127)
+    q4 = BlockQuantizer(4, 8).quantize(x)
+    codes = [int(c) - 8 for b in q4[0, :4].tolist() for c in (b & 15, b >> 4)]  # the first value in the low nibble
+    assert codes == [3, -7, 2, 0, 7, -3, 1, 5]  # 1.0 x (1 / (2/7)) is just below 3.5 in fp32
+    assert q4[0, 4:].view(torch.float32).item() == pytest.approx(2.0 / 7)
+
+
+def test_a_block_with_inf_or_nan_dequantizes_non_finite_and_leaves_the_others_exact() -> None:
+    """What keeps the fp16 overflow check working after a quantized reduction."""
+    q = BlockQuantizer(8, 64)
+    x = torch.randn(1, 256)
+    x[0, 3], x[0, 200] = float("inf"), float("nan")
+    y = q.dequantize(q.quantize(x), 256).view(4, 64)
+    assert not torch.isfinite(y[0]).any() and not torch.isfinite(y[3]).any()
+    ref = q.dequantize(q.quantize(x.view(4, 64)[1:3].reshape(1, -1)), 128).view(2, 64)
+    assert torch.equal(y[1:3], ref)
+    zeros = q.dequantize(q.quantize(torch.zeros(2, 100)), 100)
+    assert torch.equal(zeros, torch.zeros(2, 100))
+
+
+def test_same_input_same_bytes_and_strided_input_as_contiguous() -> None:
+    q = BlockQuantizer(4, 32)
+    x = torch.randn(6, 50, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(q.quantize(x), q.quantize(x.clone()))
+    t = torch.randn(50, 6).t()  # not contiguous
+    assert torch.equal(q.quantize(t), q.quantize(t.contiguous()))
+
+
+def test_bad_quantizer_settings() -> None:
+    with pytest.raises(ValueError, match="bits must be 4 or 8, got 3"):
+        BlockQuantizer(3, 64)
+    with pytest.raises(ValueError, match="block must be a power of two >= 8, got 100"):
+        BlockQuantizer(8, 100)
+
+
+def test_node_runs_finds_equal_node_major_layouts_only() -> None:
+    ranks = [0, 1, 2, 3]
+    assert _node_runs([ranks], ranks, ["a", "a", "b", "b"]) == 2
+    assert _node_runs([[0, 1, 2, 3, 4, 5]], list(range(6)), ["a", "a", "b", "b", "c", "c"]) == 2
+    assert _node_runs([ranks], ranks, ["a", "b", "a", "b"]) is None  # not node-major
+    assert _node_runs([ranks], ranks, ["a", "a", "a", "b"]) is None  # unequal counts
+    assert _node_runs([ranks], ranks, ["a", "a", "a", "a"]) is None  # one node: one level is inside it
+    assert _node_runs([ranks], ranks, ["a", "b", "c", "d"]) is None  # one rank a node: one level crosses
+
+
+# ---------------------------------------------------------------------------------------------- collectives
+N, S, BLOCK = 4, 300, 64  # S is not a multiple of BLOCK: the last block of each row is padded
+
+
+def _inputs(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(rank)
+    return torch.randn(N * S, generator=g) * (1 + rank), torch.randn(S, generator=g)
+
+
+def _expected(bits: int, hierarchical: bool) -> tuple[torch.Tensor, ...]:
+    """Every rank's reduced shard, by the quantizer applied by hand to every rank's input."""
+    q = BlockQuantizer(bits, BLOCK)
+    full = [_inputs(r)[0].view(N, S) for r in range(N)]
+
+    def qd(x: torch.Tensor) -> torch.Tensor:
+        return q.dequantize(q.quantize(x), x.shape[-1])
+
+    if not hierarchical:
+        return tuple(sum(qd(full[src][r : r + 1]) for src in range(N))[0] for r in range(N))
+    out = []
+    for r in range(N):  # 2 nodes of 2 ranks
+        # After its node's all-to-all, the rank of node jj at r's place holds that node's sum of row r ...
+        partial = [sum(qd(full[jj * 2 + p][r : r + 1]) for p in range(2)) for jj in range(2)]
+        out.append(sum(qd(x) for x in partial)[0])  # ... requantized, and summed across the nodes by rank r
+    return tuple(out)
+
+
+def _collectives(rank: int, world: int, bits: int) -> dict:
+    nodes = ["a", "a", "b", "b"]
+    topo = Topology.build(dist.group.WORLD, CommConfig(), nodes=nodes, node_levels=True)
+    full, shard = _inputs(rank)
+    out = {}
+    for name, rs in (("one", QuantizedReduceScatter(bits, BLOCK, topo.shard)),
+                     ("two", QuantizedReduceScatter(bits, BLOCK, topo.shard, topo.node, topo.cross))):
+        topo.reset()
+        reduced = torch.empty(S)
+        rs.reduce_scatter(reduced, full.clone()).wait()
+        out[name] = (reduced, topo.report(by_scope=True))
+    topo.reset()
+    gathered = torch.empty(N * S, dtype=torch.bfloat16)
+    QuantizedGather(BLOCK).all_gather(topo.shard, gathered, shard.to(torch.bfloat16)).wait()
+    out["gather"] = (gathered, topo.report(by_scope=True))
+    out["exact"] = torch.stack([_inputs(r)[0].view(N, S)[rank] for r in range(N)]).sum(0)
+    topo.close()
+    return out
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantized_reduce_scatter_and_gather_equal_the_quantizer_by_hand(bits: int) -> None:
+    res = run_ranks(_collectives, N, bits)
+    q, q8 = BlockQuantizer(bits, BLOCK), BlockQuantizer(8, BLOCK)
+    row = q.row_bytes(S)
+    one, two = _expected(bits, False), _expected(bits, True)
+    for rank, r in enumerate(res):
+        assert torch.equal(r["one"][0], one[rank])
+        assert torch.equal(r["two"][0], two[rank])
+        # Accuracy against the exact sum: relative to the largest input block a step of the code.
+        rel = float((r["two"][0] - r["exact"]).norm() / r["exact"].norm())
+        assert rel < (0.02 if bits == 8 else 0.3), rel
+        # One level: the whole buffer through one all-to-all spanning the nodes.
+        assert r["one"][1] == {f"inter_node:all_to_all_int{bits}": N * row}
+        # Two levels: the whole buffer inside the node, then one row per node across (N/m = 2 rows).
+        assert r["two"][1] == {f"intra_node:all_to_all_int{bits}": N * row, f"inter_node:all_to_all_int{bits}": 2 * row}
+        want = torch.cat([q8.dequantize(q8.quantize(_inputs(s)[1].to(torch.bfloat16).view(1, S)), S)[0] for s in range(N)])
+        assert torch.equal(r["gather"][0], want.to(torch.bfloat16))  # every rank, its own shard too
+        assert r["gather"][1] == {"inter_node:all_gather_int8": N * q8.row_bytes(S)}
