@@ -1,0 +1,681 @@
+"""ZeRO++ convergence study (issue 33): do quantized weight gathers (qwZ) and quantized gradient
+reductions (qgZ) train the main example's GPT as well as full precision?
+
+    sudo PYTHONPATH=. python benchmarks/zeropp_convergence.py [--steps 400] [--modes all] [--plot-only]
+
+The model and recipe are examples/train_gpt.py's defaults, imported from it: the byte-level GPT (4 layers,
+256 wide, 4 heads, context 128, ~3.2M parameters) on examples/data/corpus.txt (the last tenth held out),
+micro-batch 8 per rank, AdamW (lr 3e-3, betas (0.9, 0.95), weight decay 0.1), linear warm-up over
+steps // 15 steps then cosine decay to a tenth, gradient clipping at 1.0, fp32 (the example's default
+precision: it passes no ``precision`` to ZeroConfig). World 4 on the emulated cluster
+(tests/support/netcluster.py): 2 network-namespace nodes x 2 gloo ranks, unshaped links, ranks 2r and
+2r+1 on node r, the nodes passed to ``zeroray.initialize`` so qgZ is hierarchical (inside the node, then
+across). ZeRO stage 3 for every mode.
+
+Data: every mode sees the same windows in the same steps, chosen by global sample index as the example's
+elastic path does (``windows_at``): step s, rank r trains on samples [s*32 + 8r, s*32 + 8r + 8). Weights:
+``torch.manual_seed(1337)`` before the model is built, as in the example. The logged loss of a step is the
+mean over the 4 ranks of their micro-batch losses (the global batch's loss).
+
+All modes run side by side in the same 4 rank processes (one engine per mode; one step of each mode a
+round, the order rotated every round, a barrier before each mode's step, so a shared machine's load falls
+on all modes alike and the process start-up is paid once). The modes are independent: each has its own
+model, optimizer, engine and process groups. Per mode and step: the loss and the slowest rank's step
+seconds (forward, backward, optimizer step). ``--separate`` runs each mode in its own job instead.
+
+Errors of the quantized collectives, on the run's own tensors, at the steps in ``--measure-steps``:
+
+- weights: after the optimizer step, every floating group's shard is gathered exactly (fp32 all-gather)
+  and through qwZ's int8 block gather (``QuantizedGather``, block sizes 64, 256 and 2048), on the same
+  shards: the relative error per element ``mean|q - w| / mean|w|``, for one transformer block's group
+  (``transformer.h.1``), per tensor inside it, and over all groups;
+- gradients: in the qgZ modes, each group's unreduced gradient buffer (what the engine hands its
+  ``QuantizedReduceScatter``) is copied during backward; after the step the copies are reduced exactly (an
+  fp32 all-reduce of the same buffer, this rank's part kept) and through the quantized all-to-all, with the
+  mode's own object (hierarchical, its bits) and with int8/int4, hierarchical/one-level objects on the same
+  buffers: ``mean|q - exact| / mean|exact|`` over this rank's shard, summed over ranks.
+
+Writes benchmarks/results/zeropp/convergence.{json,md,png}; convergence_notes.md there (the findings, by
+hand) is appended to the md. Runs of other jobs are added with ``--merge`` (a mode run alone with
+``--no-baseline``, or the control ``--modes "baseline perturbed 1e-6"``); a job stopped early is reported
+from its dumps with ``--from-partial``; ``--plot-only`` redraws the md and png from the json. Needs root
+(network namespaces).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import platform
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "examples"))
+
+from tests.support.netcluster import NetCluster, run_ranks, unavailable  # noqa: E402
+
+OUT = ROOT / "benchmarks" / "results" / "zeropp"
+RANKS_PER_NODE = 2
+NODES = 2
+BLOCK_SIZE = 256  # the quantization block (values per fp32 scale) of every quantized mode
+# examples/train_gpt.py's defaults (its argparse defaults; the recipe functions are imported from it)
+EXAMPLE = {"batch": 8, "block": 128, "n_layer": 4, "n_embd": 256, "n_head": 4, "lr": 3e-3, "grad_clip": 1.0}
+MODES: dict[str, dict[str, Any]] = {
+    "baseline": {},
+    "qwZ": {"weights": True},
+    "qgZ int8": {"gradients": True, "gradient_bits": 8},
+    "qgZ int4": {"gradients": True, "gradient_bits": 4},
+    "qwZ+qgZ int8": {"weights": True, "gradients": True, "gradient_bits": 8},
+    "qwZ+qgZ int4": {"weights": True, "gradients": True, "gradient_bits": 4},
+    "qwZ+qgZ int8 (repeat)": {"weights": True, "gradients": True, "gradient_bits": 8},
+    # A control, not a ZeRO++ mode: the baseline with every initial weight scaled by (1 + 1e-6 x N(0, 1)) (about
+    # 8 fp32 ulps), to show how far a run drifts from the baseline from a perturbation far below any quantizer's
+    # (the chaotic spread of this recipe's curves); run with --modes, not in "all".
+    "baseline perturbed 1e-6": {"_perturb": 1e-6},
+}
+DEFAULT_MODES = [n for n in MODES if "_perturb" not in MODES[n]]
+WEIGHT_BLOCKS = (64, 256, 2048)
+PROBE_GROUP = "transformer.h.1"  # the block whose gathered weight is reported on its own (group "<unit>/pg0")
+SMOOTH = 20  # trailing moving-average window of the smoothed curves
+LAST = 20  # the final loss: mean of the last LAST steps
+
+
+# --------------------------------------------------------------------------------------------- ranks
+
+
+def _rel(err: Any, ref: Any) -> tuple[float, float]:
+    """(sum |err|, sum |ref|): summed over ranks and divided at the end = mean|err| / mean|ref|."""
+    return float(err.abs().sum()), float(ref.abs().sum())
+
+
+def _weight_errors(engine: Any) -> dict[str, Any]:
+    """The int8 block gather of every floating group's shard against the exact gather (same shards); the
+    gathered values are the same on every rank, so rank 0's numbers are the run's."""
+    import torch
+
+    from zeroray.engine.quantized_comm import QuantizedGather
+
+    out: dict[str, Any] = {}
+    for block in WEIGHT_BLOCKS:
+        qwz = QuantizedGather(block)
+        total = [0.0, 0.0]
+        per_group: dict[str, Any] = {}
+        for g in engine.groups:
+            if not g.shard.is_floating_point():
+                continue
+            exact = torch.empty(g.padded, dtype=g.shard.dtype)
+            quant = torch.empty(g.padded, dtype=g.shard.dtype)
+            g.comm.all_gather(exact, g.shard, async_op=True).wait()
+            qwz.all_gather(g.comm, quant, g.shard).wait()
+            err = (quant - exact)[: g.numel]
+            ref = exact[: g.numel]
+            e, r = _rel(err, ref)
+            total[0] += e
+            total[1] += r
+            if g.name.split("/")[0] == PROBE_GROUP:
+                per_group["group"] = e / r
+                per_group["numel"] = g.numel
+                per_group["max_abs_err"] = float(err.abs().max())
+                per_group["mean_abs_w"] = r / g.numel
+                per_group["tensors"] = {
+                    s.name: float((err[s.offset:s.end]).abs().mean() / ref[s.offset:s.end].abs().mean())
+                    for s in g.slots}
+        out[str(block)] = {"all_groups": total[0] / total[1], PROBE_GROUP: per_group}
+    return out
+
+
+class GradTap:
+    """Copies of the unreduced gradient buffers a qgZ engine reduces in a step (wrapping its shared
+    ``QuantizedReduceScatter``), reduced afterwards exactly and through quantized all-to-alls."""
+
+    def __init__(self, engine: Any):
+        self.qgz = next(g.qgz for g in engine.groups if g.qgz is not None)
+        self.armed = False
+        self.buffers: list[Any] = []
+        original = self.qgz.reduce_scatter
+
+        def tapped(out: Any, full: Any) -> Any:
+            if self.armed:
+                self.buffers.append((out.numel(), full.detach().clone()))
+            return original(out, full)
+
+        self.qgz.reduce_scatter = tapped
+        self.original = original
+
+    def measure(self) -> dict[str, Any]:
+        """Per reducer variant: (sum |q - exact|, sum |exact|) over this rank's parts of every buffer, and of
+        the largest buffer alone (a transformer block's)."""
+        import torch
+        import torch.distributed as dist
+
+        from zeroray.engine.quantized_comm import QuantizedReduceScatter
+
+        q = self.qgz
+        variants = {"own": None}
+        for bits in (8, 4):
+            variants[f"int{bits} hierarchical"] = QuantizedReduceScatter(bits, BLOCK_SIZE, q.comm, q.node, q.cross)
+            variants[f"int{bits} one-level"] = QuantizedReduceScatter(bits, BLOCK_SIZE, q.comm)
+        sums = {name: {"all": [0.0, 0.0], "largest": [0.0, 0.0]} for name in variants}
+        largest = max(range(len(self.buffers)), key=lambda i: self.buffers[i][0])
+        rank = q.comm.rank
+        for i, (s, full) in enumerate(self.buffers):
+            exact = full.to(torch.float32).clone()
+            dist.all_reduce(exact, group=q.comm.group)
+            exact = exact.view(q.comm.world_size, s)[rank]
+            for name, red in variants.items():
+                out = torch.empty(s, dtype=full.dtype)
+                (self.original if red is None else red.reduce_scatter)(out, full.clone()).wait()
+                e, r = _rel(out.float() - exact, exact)
+                for key in ("all",) + (("largest",) if i == largest else ()):
+                    sums[name][key][0] += e
+                    sums[name][key][1] += r
+        largest_numel = self.buffers[largest][0] * q.comm.world_size
+        self.buffers = []
+        return {"sums": sums, "largest_numel": largest_numel}
+
+
+def _build(rank: int, world: int, name: str, batch: int) -> dict[str, Any]:
+    import torch
+    from train_gpt import adamw, gpt_config
+
+    import zeroray
+    from zeroray.models.gpt import GPT
+
+    cfg = {k: EXAMPLE[k] for k in ("block", "n_layer", "n_embd", "n_head")}
+    torch.manual_seed(1337)  # as the example: the same initial weights on every rank and in every mode
+    model = GPT(gpt_config(cfg))
+    perturb = MODES[name].get("_perturb")
+    if perturb:
+        gen = torch.Generator().manual_seed(7)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1 + perturb * torch.randn(p.shape, generator=gen))
+    quant = {"block_size": BLOCK_SIZE, **{k: v for k, v in MODES[name].items() if not k.startswith("_")}}
+    config = zeroray.ZeroConfig(stage=3, gradient_clipping=EXAMPLE["grad_clip"],
+                                train_micro_batch_size_per_gpu=batch, quantize=quant)
+    nodes = [f"n{r // RANKS_PER_NODE}" for r in range(world)]
+    engine = zeroray.initialize(model, adamw(model, EXAMPLE["lr"]), config, nodes=nodes)
+    tap = GradTap(engine) if MODES[name].get("gradients") else None
+    hier = None if tap is None else tap.qgz.hierarchical
+    return {"engine": engine, "tap": tap, "losses": [], "times": [], "errors": {}, "hierarchical": hier,
+            "params": model.num_params()}
+
+
+def _keep(run: dict[str, Any]) -> dict[str, Any]:
+    return {k: run[k] for k in ("losses", "times", "errors", "hierarchical", "params")}
+
+
+def _dump_partial(progress: str, rank: int, runs: dict[str, Any], names: list[str], setup_s: float) -> None:
+    path = Path(f"{progress}.rank{rank}.json")
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({**{n: {**_keep(runs[n]), "val": float("nan")} for n in names}, "_setup_s": setup_s}))
+    tmp.replace(path)
+
+
+def _validate(engine: Any, val_data: Any, rank: int, world: int, block: int) -> float:
+    """This rank's mean loss over 4 fixed batches of 8 held-out windows (the same in every mode)."""
+    import torch
+    from train_gpt import windows_at
+
+    engine.eval()
+    vals = []
+    with torch.no_grad():
+        for i in range(4):
+            vb = EXAMPLE["batch"]  # 8 windows a batch, whatever the training micro-batch
+            first = (i * world + rank) * vb
+            xv, yv = windows_at(val_data, range(first, first + vb), block)
+            vals.append(engine(xv, yv)[1].item())
+    engine.train()
+    return sum(vals) / len(vals)
+
+
+def train(rank: int, world: int, names: list[str], steps: int, measure_steps: list[int], batch: int,
+          progress: str | None = None) -> dict[str, Any]:
+    """Every mode in ``names`` on this rank, side by side: returns per mode its per-step local losses and
+    step seconds, the error measurements and the final validation loss. Rank 0 appends a line per round
+    to ``progress`` (a file), if given, and every rank writes what it has so far to ``<progress>.rank<r>.json``
+    every 10 steps (``--from-partial`` reports from them)."""
+    import torch
+    import torch.distributed as dist
+    from train_gpt import DATA, lr_at, windows_at
+
+    start = time.perf_counter()
+    data = torch.frombuffer(bytearray(DATA.read_bytes()), dtype=torch.uint8)
+    n_val = len(data) // 10
+    train_data, val_data = data[:-n_val], data[-n_val:]
+    block = EXAMPLE["block"]
+    schedule = {"warmup": max(1, steps // 15), "steps": steps, "lr": EXAMPLE["lr"]}
+    runs = {}
+    for name in names:
+        runs[name] = _build(rank, world, name, batch)
+        dist.barrier()
+    setup_s = time.perf_counter() - start
+    log = open(progress, "a") if progress and rank == 0 else None  # noqa: SIM115 - open for the whole run
+    if log:
+        print(f"setup {setup_s:.1f} s", file=log, flush=True)
+    for step in range(steps):
+        lr = lr_at(step, schedule)
+        first = step * batch * world + rank * batch
+        x, y = windows_at(train_data, range(first, first + batch), block)
+        shift = step % len(names)
+        for name in names[shift:] + names[:shift]:
+            run = runs[name]
+            engine, tap = run["engine"], run["tap"]
+            for group in engine.optimizer.param_groups:
+                group["lr"] = lr
+            measuring = step in measure_steps
+            if tap is not None:
+                tap.armed = measuring
+            dist.barrier()
+            t0 = time.perf_counter()
+            _, loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            run["times"].append(time.perf_counter() - t0)
+            run["losses"].append(loss.item())
+            if measuring:
+                errs = {"weights": _weight_errors(engine)}
+                if tap is not None:
+                    tap.armed = False
+                    errs["gradients"] = tap.measure()
+                run["errors"][str(step)] = errs
+        if progress and (step % 10 == 9 or step == steps - 1):
+            _dump_partial(progress, rank, runs, names, setup_s)
+        if log:
+            print(f"step {step} {time.perf_counter() - start:.1f} s: "
+                  + " ".join(f"{runs[n]['times'][-1]:.2f}" for n in names), file=log, flush=True)
+    # validation: 4 fixed batches of 8 windows a rank from the held-out tenth, the same for every mode
+    results = {}
+    for name in names:
+        run = runs[name]
+        engine = run["engine"]
+        results[name] = _keep(run)
+        results[name]["val"] = _validate(engine, val_data, rank, world, block)
+        qwz = [g for g in engine.groups if g.qwz is not None]
+        if qwz:  # the same weights through exact gathers: what qwZ's forward noise costs, apart from training
+            saved = [g.qwz for g in qwz]
+            for g in qwz:
+                g.qwz = None
+            results[name]["val_exact"] = _validate(engine, val_data, rank, world, block)
+            for g, q in zip(qwz, saved):
+                g.qwz = q
+        engine.close()
+        dist.barrier()
+    results["_setup_s"] = setup_s
+    return results
+
+
+# --------------------------------------------------------------------------------------------- driver
+
+
+def run_job(names: list[str], steps: int, measure_steps: list[int], batch: int, timeout_s: float,
+            progress: str | None) -> list[dict[str, Any]]:
+    with NetCluster(NODES) as net:
+        placement = [net.nodes[r // RANKS_PER_NODE] for r in range(NODES * RANKS_PER_NODE)]
+        return run_ranks(net, placement, train, names, steps, measure_steps, batch, progress,
+                         timeout_s=timeout_s)
+
+
+def merge(per_rank: list[dict[str, Any]], names: list[str], wall_s: float) -> dict[str, Any]:
+    """Per mode: global loss per step (mean over ranks), slowest-rank step seconds, errors summed over ranks."""
+    out = {}
+    for name in names:
+        rows = [r[name] for r in per_rank]
+        losses = [sum(v) / len(v) for v in zip(*(r["losses"] for r in rows))]
+        times = [max(v) for v in zip(*(r["times"] for r in rows))]
+        errors: dict[str, Any] = {}
+        for step, err0 in rows[0]["errors"].items():
+            e = {"weights": err0["weights"]}
+            if "gradients" in err0:
+                grads = {}
+                for variant in err0["gradients"]["sums"]:
+                    grads[variant] = {}
+                    for key in ("all", "largest"):
+                        num = sum(r["errors"][step]["gradients"]["sums"][variant][key][0] for r in rows)
+                        den = sum(r["errors"][step]["gradients"]["sums"][variant][key][1] for r in rows)
+                        grads[variant][key] = num / den
+                e["gradients"] = grads
+            errors[step] = e
+        out[name] = {"losses": losses, "rank_losses": [r["losses"] for r in rows], "step_s": times,
+                     "train_s": sum(times), "errors": errors, "hierarchical": rows[0]["hierarchical"],
+                     "val_loss": sum(r["val"] for r in rows) / len(rows), "params": rows[0]["params"],
+                     "val_exact_loss": (sum(r["val_exact"] for r in rows) / len(rows)
+                                        if "val_exact" in rows[0] else None),
+                     "setup_s": max(r["_setup_s"] for r in per_rank), "job_wall_s": wall_s}
+    return out
+
+
+def moving_average(xs: list[float], w: int) -> list[float]:
+    """Trailing mean over the last ``w`` values (fewer at the start)."""
+    out, acc = [], 0.0
+    for i, x in enumerate(xs):
+        acc += x
+        if i >= w:
+            acc -= xs[i - w]
+        out.append(acc / min(i + 1, w))
+    return out
+
+
+def analyse(runs: dict[str, Any], steps: int) -> dict[str, Any]:
+    warmup = max(1, steps // 15)
+    base = runs["baseline"]
+    base_ma = moving_average(base["losses"], SMOOTH)
+    from_step = warmup
+    summary = {}
+    for name, run in runs.items():
+        ma = moving_average(run["losses"], SMOOTH)
+        gaps = [(m - b) / b for m, b in zip(ma, base_ma)]
+        after = gaps[from_step:] or [float("nan")]  # (a run stopped before the warm-up's end)
+        i = max(range(len(after)), key=lambda j: abs(after[j]))
+        full_window = gaps[warmup + SMOOTH - 1:] or [0.0]
+        n = len(run["losses"])  # a run stopped early is compared with the baseline at its own last steps
+        final = sum(run["losses"][-LAST:]) / LAST
+        base_final = sum(base["losses"][n - LAST:n]) / LAST
+        base_last = base["losses"][n - 1]
+        whole = n == len(base["losses"])
+        val_rel = (run["val_loss"] - base["val_loss"]) / base["val_loss"] if whole else float("nan")
+        summary[name] = {
+            "steps": n, "final_mean": final, "final_last": run["losses"][-1],
+            "final_rel": (final - base_final) / base_final,
+            "last_rel": (run["losses"][-1] - base_last) / base_last,
+            "val_loss": run["val_loss"] if whole else float("nan"), "val_rel": val_rel,
+            "max_gap": after[i], "max_gap_step": from_step + i,
+            "max_gap_full_window": max(full_window, key=abs),
+            "gaps": gaps, "smoothed": ma,
+        }
+    return {"warmup": warmup, "from_step": from_step, "modes": summary}
+
+
+def plot(runs: dict[str, Any], ana: dict[str, Any], png: Path, batch: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 7.5), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+    for name in runs:
+        if _base_name(name) != name and _base_name(name) in runs:  # a repeat: the same curve
+            continue
+        m = ana["modes"][name]
+        steps = range(1, len(m["smoothed"]) + 1)
+        style = ({"color": "black", "linewidth": 2.2, "linestyle": "--", "zorder": 5} if name == "baseline"
+                 else {"color": "grey", "linewidth": 1.2, "linestyle": ":"} if "perturbed" in name
+                 else {"linewidth": 1.2})
+        ax1.plot(steps, m["smoothed"], label=name, **style)
+        if name != "baseline":
+            ax2.plot(steps, [100 * g for g in m["gaps"]], label=name, **style)
+    ax1.set_ylabel(f"train loss, {SMOOTH}-step trailing mean")
+    ax1.set_yscale("log")
+    ax1.set_title(f"ZeRO++ convergence: byte-level GPT (3.3M), stage 3, world 4 on 2 emulated nodes,\n"
+                  f"fp32, micro-batch {batch} per rank, block {BLOCK_SIZE}", fontsize=10)
+    ax1.legend(fontsize=8)
+    ax1.grid(alpha=0.3, which="both")
+    for y in (-2, 2):
+        ax2.axhline(y, color="red", linestyle=":", linewidth=1)
+    ax2.axhline(0, color="black", linewidth=0.8)
+    ax2.axvline(ana["from_step"], color="grey", linestyle="--", linewidth=1)
+    ax2.text(ana["from_step"] + 3, 1.6, "end of warm-up", fontsize=7, color="grey")
+    ax2.set_ylabel("smoothed gap to baseline, %")
+    ax2.set_xlabel("optimizer step")
+    ax2.set_ylim(-10, 10)
+    ax2.grid(alpha=0.3)
+    ax2.legend(fontsize=7, ncol=3)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
+def _pct(x: float) -> str:
+    return "" if math.isnan(x) else f"{100 * x:+.2f}%"
+
+
+def _num(x: float) -> str:
+    return "" if math.isnan(x) else f"{x:.4f}"
+
+
+def report(payload: dict[str, Any]) -> str:
+    runs, ana, meta = payload["runs"], payload["analysis"], payload["meta"]
+    steps, b = meta["steps"], meta["batch"]
+    names = list(runs)
+    lines = [
+        "# ZeRO++ convergence (issue 33)",
+        "",
+        f"Generated by `{meta['command']}` on {meta['date']} ({meta['host']})"
+        + ("; runs of other jobs added with `--merge`: " + "; ".join(f"`{c}`" for c in meta["merged"])
+           if meta.get("merged") else "") + ".",
+        "",
+        "## Method",
+        "",
+        f"- Model and recipe: examples/train_gpt.py's defaults, its functions imported: the byte-level GPT "
+        f"({runs['baseline']['params'] / 1e6:.2f}M parameters; 4 layers, 256 wide, 4 heads, context 128) on "
+        "examples/data/corpus.txt (last tenth held out), "
+        + (f"micro-batch {meta['batch']} per rank (global {4 * meta['batch']}; the example's default is 8, lowered "
+           "with its own --batch setting to fit the time on 2 shared cores), " if meta["batch"] != EXAMPLE["batch"]
+           else "micro-batch 8 per rank (global 32), ")
+        + "AdamW lr 3e-3, "
+        f"betas (0.9, 0.95), weight decay 0.1, linear warm-up over {ana['warmup']} steps then cosine to a tenth, "
+        "gradient clipping 1.0. **fp32** (the example's default precision; it sets no `precision`).",
+        f"- {steps} optimizer steps, ZeRO stage 3, world 4 on the emulated cluster: 2 network-namespace nodes "
+        "x 2 gloo ranks, unshaped links, `nodes` passed to `zeroray.initialize` (qgZ hierarchical: "
+        + ", ".join(f"{n}: {runs[n]['hierarchical']}" for n in names if runs[n]['hierarchical'] is not None)
+        + f"). Quantization block {BLOCK_SIZE} values per fp32 scale; qwZ int8.",
+        "- Same seed (`torch.manual_seed(1337)` before the model is built) and same data in every run: step s, "
+        f"rank r trains on global samples [{4 * b}s + {b}r, {4 * b}s + {b}r + {b}), windows placed by the example's "
+        "`windows_at`. A step's loss is the mean of the 4 ranks' micro-batch losses.",
+        "- 'baseline perturbed 1e-6' is a control, not ZeRO++: the baseline with each initial weight scaled by "
+        "(1 + 1e-6 N(0,1)), which shows how far this recipe's curves drift apart from a perturbation far below "
+        "any quantizer's error.",
+        "- Jobs: modes named together in one job ran side by side in the same 4 rank processes, one engine each "
+        "(own model, optimizer, process groups), one step of each a round, order rotated every round, a barrier "
+        "before each mode's step; which run came from which job is under 'How the runs were made'.",
+        f"- Final loss: mean of the last {LAST} steps' losses, and the last step's. Validation: 4 fixed "
+        "batches of 8 held-out windows per rank after the last step, forward through the mode's own gathers "
+        "(int8 under qwZ); for qwZ runs also through exact fp32 gathers of the same weights ('val, exact gathers'), "
+        "which tells qwZ's forward noise at evaluation from what it did to training.",
+        f"- Smoothed curve: trailing {SMOOTH}-step moving average of the per-step loss. Gap: (smoothed mode - "
+        f"smoothed baseline) / smoothed baseline; max |gap| over steps >= {ana['from_step']} (the end of the "
+        f"learning-rate warm-up; the column after it starts at step {ana['warmup'] + SMOOTH - 1}, the first "
+        "window wholly after the warm-up).",
+        "- Wall time ('train s'): the sum over steps of the slowest rank's step seconds (forward, backward, "
+        "optimizer step), error measurements excluded, on 2 shared cores (what else ran: 'How the runs were made').",
+        "",
+        "## Results",
+        "",
+        f"| run | steps | final loss (mean last {LAST}) | vs baseline | last step | vs baseline | val loss | vs baseline "
+        f"| val, exact gathers | max smoothed gap (step) | max gap from step {ana['warmup'] + SMOOTH - 1} "
+        "| train s | s/step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name in names:
+        if _base_name(name) != name and _base_name(name) in runs:
+            continue  # a repeat: bitwise the same losses (see Determinism)
+        m, r = ana["modes"][name], runs[name]
+        base = name == "baseline"
+        gap = "" if base else f"{_pct(m['max_gap'])} ({m['max_gap_step']})"
+        exact = "" if r.get("val_exact_loss") is None else f"{r['val_exact_loss']:.4f}"
+        lines.append(
+            f"| {name} | {m['steps']} | {m['final_mean']:.4f} | {'' if base else _pct(m['final_rel'])} | {m['final_last']:.4f} | "
+            f"{'' if base else _pct(m['last_rel'])} | {_num(m['val_loss'])} | {'' if base else _pct(m['val_rel'])} | "
+            f"{exact} | {gap} | "
+            f"{'' if base else _pct(m['max_gap_full_window'])} | {r['train_s']:.0f} | "
+            f"{r['train_s'] / m['steps']:.3f} |")
+    lines += ["", "Goal (issue 33): final loss within 1% of unquantized, smoothed curve within 2% after warm-up.", ""]
+    for name in names:
+        if name == "baseline":
+            continue
+        m = ana["modes"][name]
+        ok = abs(m["final_rel"]) <= 0.01 and abs(m["max_gap"]) <= 0.02
+        verdict = "not judged (stopped before the warm-up's end)" if math.isnan(m["max_gap"]) else (
+            "meets it" if ok else "MISSES it")
+        if m["steps"] < steps:
+            verdict = f"not judged at {steps} steps (stopped at step {m['steps']}; the numbers are at that step)"
+        if _base_name(name) != name and _base_name(name) in runs:
+            continue  # a repeat (see Determinism)
+        if "_perturb" in MODES.get(name, {}):
+            verdict = "control, no quantization: what a 1e-6 perturbation of the initial weights alone does"
+        lines.append(f"- {name}: {verdict} (final {_pct(m['final_rel'])}, "
+                     f"max gap {_pct(m['max_gap'])}).")
+    det = payload.get("determinism")
+    if det:
+        lines += ["", "## Determinism", "", det, ""]
+    lines += ["", "## Errors of the quantized collectives", "",
+              f"Relative error per element, `mean|q - exact| / mean|exact|`, on the run's own tensors at steps "
+              f"{', '.join(meta['measure_steps'])} (0-based; after that step's optimizer step for weights, the "
+              "step's backward for gradients).", "",
+              "### Gathered weights (int8, qwZ's `QuantizedGather`, same shards gathered exactly)", "",
+              f"In the baseline run (the other runs' weights give the same to two digits, see the JSON). "
+              f"`{PROBE_GROUP}` is one transformer block's flat group.", "",
+              "| step | block size | " + PROBE_GROUP + " | all groups | max |err| in the block's group | "
+              "mean |w| |", "|---|---|---|---|---|---|"]
+    for step, e in runs["baseline"]["errors"].items():
+        for bs, w in e["weights"].items():
+            p = w[PROBE_GROUP]
+            lines.append(f"| {step} | {bs} | {p['group']:.2e} | {w['all_groups']:.2e} | {p['max_abs_err']:.2e} | "
+                         f"{p['mean_abs_w']:.2e} |")
+    if runs["baseline"]["errors"]:
+        last = list(runs["baseline"]["errors"])[-1]
+        tensors = runs["baseline"]["errors"][last]["weights"][str(BLOCK_SIZE)][PROBE_GROUP]["tensors"]
+        lines += ["", f"Per tensor of `{PROBE_GROUP}` at step {last}, block {BLOCK_SIZE}: "
+                  + ", ".join(f"{k.removeprefix(PROBE_GROUP + '.')} {v:.2e}" for k, v in tensors.items()) + "."]
+    lines += ["",
+              "### Reduced gradients (quantized reduce-scatter vs the exact fp32 sum of the same buffers)", "",
+              "Each qgZ run's own unreduced gradient buffers, reduced by its own object ('own') and by int8 / int4, "
+              "hierarchical (the engine's form here) and one-level all-to-alls on the same buffers. 'all': every "
+              "gradient buffer of the step; 'largest': the largest group's (a transformer block).", "",
+              "| run | step | own | int8 hier. | int8 one-level | int4 hier. | int4 one-level | own, largest group |",
+              "|---|---|---|---|---|---|---|---|"]
+    for name in names:
+        if _base_name(name) != name and _base_name(name) in runs:
+            continue  # a repeat: the same tensors
+        for step, e in runs[name]["errors"].items():
+            g = e.get("gradients")
+            if not g:
+                continue
+            lines.append(f"| {name} | {step} | {g['own']['all']:.2e} | {g['int8 hierarchical']['all']:.2e} | "
+                         f"{g['int8 one-level']['all']:.2e} | {g['int4 hierarchical']['all']:.2e} | "
+                         f"{g['int4 one-level']['all']:.2e} | {g['own']['largest']:.2e} |")
+    notes = OUT / "convergence_notes.md"
+    if notes.exists():  # the findings, written by hand after a run
+        lines += ["", notes.read_text().strip()]
+    lines += ["", "Raw per-step losses (global and per rank) and step times: convergence.json. "
+              "Plot: convergence.png (smoothed curves; gap to baseline).", ""]
+    return "\n".join(lines)
+
+
+def _base_name(name: str) -> str:
+    """The mode a run repeats: its name less " (repeat)", " (separate job)" and a " [label]"."""
+    name = name.split(" [")[0]
+    for suffix in (" (repeat)", " (separate job)"):
+        name = name.removesuffix(suffix)
+    return name
+
+
+def determinism(runs: dict[str, Any]) -> str:
+    """Each repeated mode against its first run, over the steps both have: per-rank losses bitwise equal?"""
+    lines = []
+    for name, run in runs.items():
+        first = _base_name(name)
+        if first == name or first not in runs:
+            continue
+        other = runs[first]
+        n = min(len(run["losses"]), len(other["losses"]))
+        same = all(a[:n] == b[:n] for a, b in zip(run["rank_losses"], other["rank_losses"]))
+        diff = max(abs(x - y) for x, y in zip(run["losses"][:n], other["losses"][:n]))
+        lines.append(f"- {name} against {first}: per-rank losses of the {n} steps both ran "
+                     f"{'bitwise identical' if same else 'DIFFER'} (max |difference| of the global loss {diff:.3g}).")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--batch", type=int, default=EXAMPLE["batch"], help="micro-batch per rank (the example's --batch)")
+    p.add_argument("--modes", default="all", help="comma-separated names of MODES, or all")
+    p.add_argument("--measure-steps", default="0,100,200,399")
+    p.add_argument("--separate", action="store_true", help="one job per mode instead of all side by side")
+    p.add_argument("--out", default=str(OUT))
+    p.add_argument("--timeout", type=float, default=6000.0, help="seconds per job")
+    p.add_argument("--progress", default="/tmp/zeropp_convergence.progress",
+                   help="rank 0 appends a line per step here (empty: none)")
+    p.add_argument("--from-partial", default=None, metavar="PROGRESS",
+                   help="report from the partial dumps of a run stopped early (its --progress path)")
+    p.add_argument("--no-baseline", action="store_true", help="run --modes without the baseline (then --merge)")
+    p.add_argument("--merge", default=None, metavar="JSON",
+                   help="add the runs of another job's convergence.json to this one's (a name already there gets "
+                        "' (separate job)': the determinism check across processes)")
+    p.add_argument("--merge-label", default=None, help="--merge: append ' [LABEL]' to each added run's name")
+    p.add_argument("--plot-only", action="store_true", help="redraw the md and png from the json")
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    js = out / "convergence.json"
+    if args.plot_only:
+        payload = json.loads(js.read_text())
+    elif args.from_partial:  # a run stopped early: the steps every rank finished, from its partial dumps
+        meta = json.loads(Path(args.from_partial + ".meta.json").read_text())
+        per_rank = [json.loads(Path(f"{args.from_partial}.rank{r}.json").read_text()) for r in range(NODES * RANKS_PER_NODE)]
+        names = [n for n in per_rank[0] if not n.startswith("_")]
+        done = min(len(r[n]["losses"]) for r in per_rank for n in names)
+        for r in per_rank:
+            for n in names:
+                r[n]["losses"], r[n]["times"] = r[n]["losses"][:done], r[n]["times"][:done]
+                r[n]["errors"] = {k: v for k, v in r[n]["errors"].items() if int(k) < done}
+        meta["measure_steps"] = [k for k in meta["measure_steps"] if int(k) < done]
+        meta["stopped_at"] = done
+        payload = {"meta": meta, "runs": merge(per_rank, names, float("nan"))}
+    elif args.merge:  # another job's runs (a control, a repeat in fresh processes) added to convergence.json
+        payload = json.loads(js.read_text())
+        other = json.loads(Path(args.merge).read_text())
+        payload["meta"].setdefault("merged", []).append(
+            f"{other['meta']['command']}" + (" (stopped early, reported with --from-partial)"
+                                             if "stopped_at" in other["meta"] else ""))
+        for name, run in other["runs"].items():
+            if args.merge_label:
+                name = f"{name} [{args.merge_label}]"
+            elif name in payload["runs"]:
+                name = f"{name} (separate job)"
+            payload["runs"][name] = run
+    else:
+        why = unavailable()
+        if why:
+            sys.exit(f"the emulated cluster cannot run here: {why}")
+        names = list(DEFAULT_MODES) if args.modes == "all" else [n.strip() for n in args.modes.split(",")]
+        if "baseline" not in names and not args.no_baseline:
+            names.insert(0, "baseline")
+        measure = [int(s) for s in args.measure_steps.split(",") if int(s) < args.steps]
+        runs: dict[str, Any] = {}
+        meta = {"command": "PYTHONPATH=. python benchmarks/zeropp_convergence.py " + shlex.join(sys.argv[1:]),
+                "date": datetime.datetime.now().isoformat(timespec="seconds"),
+                "host": f"{platform.node()}, {platform.processor() or platform.machine()}",
+                "steps": args.steps, "measure_steps": [str(s) for s in measure],
+                "together": not args.separate, "batch": args.batch, "block_size": BLOCK_SIZE, "example": EXAMPLE,
+                "smooth": SMOOTH, "last": LAST}
+        if args.progress:
+            Path(args.progress + ".meta.json").write_text(json.dumps(meta))
+        jobs = [[n] for n in names] if args.separate else [names]
+        for job in jobs:
+            t0 = time.perf_counter()
+            per_rank = run_job(job, args.steps, measure, args.batch, args.timeout, args.progress)
+            runs.update(merge(per_rank, job, time.perf_counter() - t0))
+            print(f"{job}: {time.perf_counter() - t0:.0f} s", flush=True)
+        payload = {"meta": meta, "runs": runs}
+        js.write_text(json.dumps(payload, indent=1))  # the raw results first, whatever the analysis does
+        if "baseline" not in runs:
+            print(f"no baseline in this job: raw results in {js}; add them with --merge {js}")
+            return
+    payload["analysis"] = analyse(payload["runs"], payload["meta"]["steps"])
+    payload["determinism"] = determinism(payload["runs"])
+    js.write_text(json.dumps(payload, indent=1))
+    (out / "convergence.md").write_text(report(payload))
+    plot(payload["runs"], payload["analysis"], out / "convergence.png", payload["meta"]["batch"])
+    print(report(payload))
+
+
+if __name__ == "__main__":
+    main()
