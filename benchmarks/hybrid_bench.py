@@ -1,7 +1,8 @@
-"""Hybrid sharding (MiCS / HSDP) against flat ZeRO-3 and FSDP2 on the emulated multi-node cluster.
+"""Hybrid sharding (MiCS / HSDP), hpZ and ZeRO++ against flat ZeRO-3 and FSDP2 on the emulated multi-node cluster.
 
-    sudo PYTHONPATH=. python benchmarks/hybrid_bench.py [--params 25e6] [--steps 5] [--warmup 2]
-                                                          [--cases 2x2:none,2x2:1gbit,3x2:1gbit]
+    sudo PYTHONPATH=. python benchmarks/hybrid_bench.py [--suite hybrid|zeropp] [--params 25e6] [--steps 5]
+                                                          [--warmup 2] [--cases 2x2:none,2x2:1gbit,3x2:1gbit]
+                                                          [--modes ...] [--out results.md]
 
 Nodes are network namespaces joined by a bridge (tests/support/netcluster.py), each node's link
 unshaped or shaped with tbf (1 or 10 Gbit/s, burst 256kb, latency 50ms); ranks 2r and 2r+1 sit on node r,
@@ -26,6 +27,12 @@ node around each timed step). Prints a markdown table and writes it to
 benchmarks/results/hybrid/results.md. Needs root (network namespaces); the default cases take about 11
 minutes on 2 busy cores (``--cases 2x2:10gbit`` runs a 10 Gbit/s link too; it works,
 tried only on a 2M-parameter model).
+
+``--suite zeropp`` (issue 33) runs ZeRO++'s modes instead, on 2 and 3 nodes x 2 ranks, unshaped, 10 and 1
+Gbit/s, and writes benchmarks/results/zeropp/results.md: flat stage 3, hybrid k=2 stage 3, hpZ
+(``hpz_partition_size=2`` over the flat group), full ZeRO++ (hpZ + qwZ + qgZ, ``gradient_bits`` 8 and 4, block
+256) and qwZ + qgZ without hpZ; besides the step ratios it reports the ratios of inter-node bytes (comm_report
+and the links' counters) to flat stage 3's. ``--modes`` picks any of the modes of either suite.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ import shlex
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +62,19 @@ LINKS = {
     "10gbit": LinkSpec(rate="10gbit", burst="256kb", latency="50ms"),
 }
 LINK_NAMES = {"none": "unshaped", "1gbit": "1 Gbit/s", "10gbit": "10 Gbit/s"}
+HPZ = 2  # hpZ's secondary group: the ranks of one node
+QUANTIZE_BLOCK = 256  # qwZ / qgZ values per fp32 scale
+# zeroray's modes: their ZeroConfig
+ZERORAY_MODES: dict[str, dict[str, Any]] = {
+    "zeroray-flat-s3": {"stage": 3},
+    "zeroray-hybrid-s3": {"stage": 3, "shard_group_size": K},
+    "zeroray-hybrid-s2": {"stage": 2, "shard_group_size": K},
+    "zeroray-hpz-s3": {"stage": 3, "hpz_partition_size": HPZ},
+    **{f"zeroray-zpp{bits}-s3": {"stage": 3, "hpz_partition_size": HPZ, "quantize": {
+        "weights": True, "gradients": True, "block_size": QUANTIZE_BLOCK, "gradient_bits": bits}} for bits in (8, 4)},
+    "zeroray-qwz-qgz8-s3": {"stage": 3, "quantize": {
+        "weights": True, "gradients": True, "block_size": QUANTIZE_BLOCK, "gradient_bits": 8}},
+}
 MODES = ["zeroray-flat-s3", "zeroray-hybrid-s3", "zeroray-hybrid-s2", "fsdp2-flat", "fsdp2-hsdp"]
 MODE_NAMES = {
     "zeroray-flat-s3": "zeroray flat, stage 3",
@@ -61,8 +82,58 @@ MODE_NAMES = {
     "zeroray-hybrid-s2": f"zeroray hybrid k={K}, stage 2",
     "fsdp2-flat": "FSDP2 flat",
     "fsdp2-hsdp": f"FSDP2 HSDP ({K} a shard group)",
+    "zeroray-hpz-s3": f"zeroray hpZ (h={HPZ}), stage 3",
+    "zeroray-zpp8-s3": "zeroray ZeRO++ (hpZ + qwZ + qgZ int8)",
+    "zeroray-zpp4-s3": "zeroray ZeRO++ (hpZ + qwZ + qgZ int4)",
+    "zeroray-qwz-qgz8-s3": "zeroray qwZ + qgZ int8, no hpZ",
 }
-OUT = Path(__file__).resolve().parent / "results" / "hybrid" / "results.md"
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+@dataclass(frozen=True)
+class Suite:
+    """A set of modes and cases with its results file: its title, the ratios of step times it reports (label,
+    numerator mode, denominator mode) and, optionally, of inter-node bytes."""
+
+    title: str
+    modes: tuple[str, ...]
+    cases: str
+    out: Path
+    ratios: tuple[tuple[str, str, str], ...]
+    byte_ratios: tuple[tuple[str, str, str], ...] = ()
+    notes: tuple[str, ...] = ()
+
+
+SUITES = {
+    "hybrid": Suite(
+        "Hybrid sharding vs flat ZeRO-3 and FSDP2 on the emulated multi-node cluster",
+        tuple(MODES), "2x2:none,2x2:1gbit,3x2:1gbit", RESULTS / "hybrid" / "results.md",
+        (("hybrid s3 / flat s3", "zeroray-hybrid-s3", "zeroray-flat-s3"),
+         ("hybrid s2 / flat s3", "zeroray-hybrid-s2", "zeroray-flat-s3"),
+         ("hybrid s3 / FSDP2 HSDP", "zeroray-hybrid-s3", "fsdp2-hsdp"),
+         ("FSDP2 HSDP / FSDP2 flat", "fsdp2-hsdp", "fsdp2-flat"))),
+    "zeropp": Suite(
+        "ZeRO++ (hpZ, qwZ, qgZ) vs flat ZeRO-3, hybrid and hpZ alone on the emulated multi-node cluster",
+        ("zeroray-flat-s3", "zeroray-hybrid-s3", "zeroray-hpz-s3", "zeroray-zpp8-s3", "zeroray-zpp4-s3",
+         "zeroray-qwz-qgz8-s3"),
+        "2x2:none,2x2:10gbit,2x2:1gbit,3x2:none,3x2:10gbit,3x2:1gbit", RESULTS / "zeropp" / "results.md",
+        (("ZeRO++ int8 / hpZ", "zeroray-zpp8-s3", "zeroray-hpz-s3"),
+         ("ZeRO++ int4 / hpZ", "zeroray-zpp4-s3", "zeroray-hpz-s3"),
+         ("ZeRO++ int8 / flat s3", "zeroray-zpp8-s3", "zeroray-flat-s3"),
+         ("qwZ+qgZ / flat s3", "zeroray-qwz-qgz8-s3", "zeroray-flat-s3"),
+         ("hpZ / flat s3", "zeroray-hpz-s3", "zeroray-flat-s3"),
+         ("hybrid s3 / flat s3", "zeroray-hybrid-s3", "zeroray-flat-s3")),
+        (("ZeRO++ int8 / flat s3", "zeroray-zpp8-s3", "zeroray-flat-s3"),
+         ("ZeRO++ int4 / flat s3", "zeroray-zpp4-s3", "zeroray-flat-s3"),
+         ("qwZ+qgZ int8 / flat s3", "zeroray-qwz-qgz8-s3", "zeroray-flat-s3"),
+         ("hpZ / flat s3", "zeroray-hpz-s3", "zeroray-flat-s3")),
+        (f"hpZ: `hpz_partition_size={HPZ}` over a flat shard group of all ranks (the backward's gathers read a"
+         " secondary copy inside the node); qwZ + qgZ: `quantize={\"weights\": True, \"gradients\": True,"
+         f" \"block_size\": {QUANTIZE_BLOCK}, \"gradient_bits\": 8 or 4}}`, the qgZ all-to-all hierarchical"
+         " (inside the node, then across) since `nodes=` gives each rank's node.",
+         "qwZ's forward gather runs over the flat group, so comm_report counts all of its bytes as inter-node"
+         " (as for flat stage 3) though (m-1)/N of them stay inside the node; the link MB column is the truth.")),
+}
 UNSHAPED_GBIT = 21.0  # what an unshaped veth carried here (../shared/NOTES.md): the plot's x for "unshaped"
 
 
@@ -143,10 +214,8 @@ def build_mode(rank: int, world: int, mode: str, params: float) -> dict[str, Any
     nodes = [f"n{r // RANKS_PER_NODE}" for r in range(world)]
     engine = None
     if mode.startswith("zeroray"):
-        stage = int(mode[-1])
-        k = K if "hybrid" in mode else None
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        engine = zeroray.initialize(model, opt, zeroray.ZeroConfig(stage=stage, shard_group_size=k), nodes=nodes)
+        engine = zeroray.initialize(model, opt, zeroray.ZeroConfig(**ZERORAY_MODES[mode]), nodes=nodes)
         step = functools.partial(_zeroray_step, engine)
     else:
         from torch.distributed.device_mesh import init_device_mesh
@@ -255,10 +324,10 @@ def _mb(x: float | None) -> str:
 
 
 def render(rows: list[tuple[str, str, str, dict[str, Any]]], args: argparse.Namespace, n_params: int,
-           command: str, wall: float, kinds: dict[tuple[str, str], dict[str, float]]) -> str:
+           command: str, wall: float, kinds: dict[tuple[str, str], dict[str, float]], suite: Suite) -> str:
     """The results as markdown: the table, the ratios, what the columns mean, zeroray's bytes by kind."""
     lines = [
-        "# Hybrid sharding vs flat ZeRO-3 and FSDP2 on the emulated multi-node cluster",
+        f"# {suite.title}",
         "",
         f"- date: {datetime.date.today().isoformat()}",
         f"- machine: {os.cpu_count()} cores CPU ({platform.processor() or platform.machine()}), gloo, one thread a rank;"
@@ -283,23 +352,27 @@ def render(rows: list[tuple[str, str, str, dict[str, Any]]], args: argparse.Name
         lines.append(f"| {case} | {LINK_NAMES[link]} | {MODE_NAMES[mode]} | {row['seconds']:.3f} | {_mb(row['inter'])}"
                      f" | {_mb(row['formula'])} | {_mb(row['link'])}"
                      f" | {'—' if row['floor'] is None else format(row['floor'], '.2f')} |")
-    lines += ["", "Ratios of step times (median, slowest rank):", "",
-              "| nodes x ranks | link | hybrid s3 / flat s3 | hybrid s2 / flat s3 | hybrid s3 / FSDP2 HSDP"
-              " | FSDP2 HSDP / FSDP2 flat |",
-              "|---|---|---|---|---|---|"]
     by_case: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}
     for case, link, mode, row in rows:
         by_case.setdefault((case, link), {})[mode] = row
 
-    def ratio(table: dict[str, dict[str, Any]], a: str, b: str) -> str:
-        if "seconds" not in table.get(a, {}) or "seconds" not in table.get(b, {}):
-            return "—"
-        return f"{table[a]['seconds'] / table[b]['seconds']:.2f}"
+    def ratio(table: dict[str, dict[str, Any]], a: str, b: str, key: str) -> str:
+        x, y = table.get(a, {}).get(key), table.get(b, {}).get(key)
+        return "—" if x is None or not y else f"{x / y:.2f}"
 
-    for (case, link), table in by_case.items():
-        lines.append(f"| {case} | {LINK_NAMES[link]} | {ratio(table, 'zeroray-hybrid-s3', 'zeroray-flat-s3')}"
-                     f" | {ratio(table, 'zeroray-hybrid-s2', 'zeroray-flat-s3')}"
-                     f" | {ratio(table, 'zeroray-hybrid-s3', 'fsdp2-hsdp')} | {ratio(table, 'fsdp2-hsdp', 'fsdp2-flat')} |")
+    def ratio_table(title: str, spec: tuple[tuple[str, str, str], ...], key: str) -> list[str]:
+        out = ["", title, "", "| nodes x ranks | link | " + " | ".join(label for label, _, _ in spec) + " |",
+               "|---|---|" + "---|" * len(spec)]
+        for (case, link), table in by_case.items():
+            out.append(f"| {case} | {LINK_NAMES[link]} | "
+                       + " | ".join(ratio(table, a, b, key) for _, a, b in spec) + " |")
+        return out
+
+    lines += ratio_table("Ratios of step times (median, slowest rank):", suite.ratios, "seconds")
+    if suite.byte_ratios:
+        lines += ratio_table("Ratios of inter-node bytes per step, comm_report (rank 0):", suite.byte_ratios, "inter")
+        lines += ratio_table("Ratios of bytes that crossed the links per step (NIC counters, all nodes):",
+                             suite.byte_ratios, "link")
     lines += [
         "",
         "Columns:",
@@ -321,6 +394,7 @@ def render(rows: list[tuple[str, str, str, dict[str, Any]]], args: argparse.Name
         "- On gloo zeroray's defaults all-reduce the gradients (comm.reduce_scatter off) and gather parameters by"
         " broadcasts (comm.all_gather_by_broadcast on): its flat ZeRO-3 puts more bytes on the links than FSDP2"
         " flat; hybrid keeps both inside the node, where they never touch a link.",
+        *(f"- {note}" for note in suite.notes),
     ]
     if kinds:
         lines += ["", "zeroray's comm_report per step and rank (rank 0), MB, by scope and kind:", ""]
@@ -337,13 +411,18 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--cases", default="2x2:none,2x2:1gbit,3x2:1gbit",
-                        help="comma-separated <nodes>x<ranks a node>:<none|1gbit|10gbit>")
-    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--suite", choices=sorted(SUITES), default="hybrid",
+                        help="the modes, cases, ratios and results file: hybrid (issue 30) or zeropp (issue 33)")
+    parser.add_argument("--cases", help="comma-separated <nodes>x<ranks a node>:<none|1gbit|10gbit> (default: the suite's)")
+    parser.add_argument("--modes", help=f"comma-separated, of {', '.join(MODE_NAMES)} (default: the suite's)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds a case may run")
-    parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--out", type=Path, help="results markdown (default: the suite's)")
     parser.add_argument("--plot-only", action="store_true", help="redraw the plot from --out and stop")
     args = parser.parse_args()
+    suite = SUITES[args.suite]
+    args.out = args.out or suite.out
+    args.cases = args.cases or suite.cases
+    args.modes = args.modes or ",".join(suite.modes)
     png = args.out.with_name("step_vs_link.png")
     if args.plot_only:
         plot(args.out, png)
@@ -355,6 +434,9 @@ def main() -> None:
 
     n_params = GPTConfig.for_params(args.params).num_params()
     modes = [m for m in args.modes.split(",") if m]
+    unknown = [m for m in modes if m not in MODE_NAMES]
+    if unknown:
+        raise SystemExit(f"unknown modes {unknown}: expected some of {list(MODE_NAMES)}")
     cases = []
     for spec in args.cases.split(","):
         shape, link = spec.split(":")
@@ -375,21 +457,26 @@ def main() -> None:
                 net.shape(node, LINKS[link])
             placement = [net.nodes[r // RANKS_PER_NODE] for r in range(n_nodes * RANKS_PER_NODE)]
             t_case = time.time()
-            per_rank = run_ranks(net, placement, bench_case, modes, args.params, args.steps, args.warmup,
-                                 args.batch, args.seq, timeout_s=args.timeout)
+            try:
+                per_rank = run_ranks(net, placement, bench_case, modes, args.params, args.steps, args.warmup,
+                                     args.batch, args.seq, timeout_s=args.timeout)
+            except (RuntimeError, TimeoutError) as e:  # the case is lost (every mode in it), the rest run
+                per_rank = None
+                case_error = f"{type(e).__name__}: {str(e).splitlines()[0]}"[:300]
             print(f"{shape} {LINK_NAMES[link]}: {time.time() - t_case:.0f} s", flush=True)
             for mode in modes:
-                row = summarize(per_rank, mode, args.steps, link)
+                row = {"error": case_error} if per_rank is None else summarize(per_rank, mode, args.steps, link)
                 rows.append((shape, link, mode, row))
                 if row.get("scoped") is not None:
                     kinds.setdefault((shape, mode), row["scoped"])
                 status = row.get("error") or (f"{row['seconds']:.3f} s/step {[round(t, 2) for t in row['all']]},"
                                             f" link {_mb(row['link'])} MB/step, set-up {row['setup_s']:.1f} s")
                 print(f"[{time.monotonic() - t0:5.0f}s] {shape} {LINK_NAMES[link]:9s} {mode:18s} {status}", flush=True)
-    md = render(rows, args, n_params, command, time.monotonic() - t0, kinds)
+            # after every case, so that a later case's failure (a timeout on a loaded machine) keeps the rest
+            md = render(rows, args, n_params, command, time.monotonic() - t0, kinds, suite)
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(md)
     print("\n" + md)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(md)
     plot(args.out, png)
 
 
