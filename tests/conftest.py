@@ -34,13 +34,20 @@ def ray_cluster() -> Iterator[dict[str, str]]:
     os.environ["PYTHONPATH"] = os.pathsep.join(
         [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p] + [str(REPO_ROOT)]
     )
-    ray.init(
-        address="local",  # a new cluster even when a `ray start` one runs on this machine (ray.init would join it)
-        num_cpus=4,
-        include_dashboard=True,
-        configure_logging=False,
-        _system_config={"metrics_report_interval_ms": 1000},
-    )
+    for attempt in range(3):
+        try:
+            ray.init(
+                address="local",  # a new cluster even when a `ray start` one runs on this machine (ray.init would join it)
+                num_cpus=4,
+                include_dashboard=True,
+                configure_logging=False,
+                _system_config={"metrics_report_interval_ms": 1000},
+            )
+            break
+        except Exception as e:  # Ray gives its raylet a fixed 30 s to register; a swamped machine can miss it
+            ray.shutdown()
+            if "timed out during startup" not in str(e) or attempt == 2:
+                raise
     node = ray._private.worker.global_worker.node
     try:
         yield {
