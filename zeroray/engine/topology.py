@@ -69,7 +69,8 @@ def _split(world: dist.ProcessGroup, shard_groups: list[list[int]]) -> tuple[dis
 
 
 def _secondary(shard_groups: list[list[int]], h: int) -> dist.ProcessGroup:
-    """hpZ: groups of ``h`` consecutive ranks of each shard group (global ranks), made on every rank."""
+    """Groups of ``h`` consecutive ranks of each shard group (global ranks), made on every rank: hpZ's secondary
+    groups, and qgZ's node groups."""
     group, _ = dist.new_subgroups_by_enumeration([g[i : i + h] for g in shard_groups for i in range(0, len(g), h)])
     return group
 
@@ -178,10 +179,10 @@ class Topology:
             world_ranks = dist.get_process_group_ranks(process_group)
             groups = shard_groups or [world_ranks]
             m = _node_runs(groups, world_ranks, nodes)
-            if m is not None:
-                node, _ = dist.new_subgroups_by_enumeration([g[i : i + m] for g in groups for i in range(0, len(g), m)])
+            if m is not None:  # hpZ over the ranks of a node made this rank's node group already
+                node = secondary if h == m else comm(_secondary(groups, m))
                 cross, _ = dist.new_subgroups_by_enumeration([g[place::m] for g in groups for place in range(m)])
-                levels = (comm(node), comm(cross))
+                levels = (node, comm(cross))
         if shard is None:
             return cls._with_nodes(world, world, None, nodes, secondary, levels)
         topo = cls._with_nodes(world, comm(shard), comm(replicate), nodes, secondary, levels)
