@@ -282,10 +282,13 @@ def _lay_out(
     gather_pool = GatherPool()
     gather_check = GatherCheck(topology.shard) if sharding.shards_params else None
     quantize = config.quantize
-    qwz = QuantizedGather(quantize.block_size) if quantize.weights else None
+    kernels = device.type == "cuda"  # the quantizer's ops compiled into fused kernels where that wins: CUDA
+    qwz = QuantizedGather(quantize.block_size, kernels) if quantize.weights else None
     qgz = None
     if quantize.gradients:
-        qgz = QuantizedReduceScatter(quantize.gradient_bits, quantize.block_size, topology.shard, topology.node, topology.cross)
+        qgz = QuantizedReduceScatter(
+            quantize.gradient_bits, quantize.block_size, topology.shard, topology.node, topology.cross, kernels
+        )
     unit_groups: dict[int | None, list[FlatGroup]] = {}
     pending: list[FlatGroup] = []  # stage 3: groups with meta parameters, installed once initialized
     for plan in plans:

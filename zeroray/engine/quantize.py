@@ -85,3 +85,21 @@ class BlockQuantizer:
             values = torch.stack((codes & 15, codes >> 4), dim=-1).view(rows, padded).to(torch.float32).sub_(8)
         scale = q[:, cb:].view(torch.float32)
         return values.view(rows, nb, self.block).mul_(scale.unsqueeze(-1)).view(rows, padded)[:, :n]
+
+
+class QuantizeKernels:
+    """A quantizer's two ops as this device runs them best: the eager torch ops above on CPU, and on CUDA the
+    same ops compiled by inductor into fused Triton kernels (``compiled=True``), which move 3-7x the GB/s of
+    the eager ops on an H100 (benchmarks/results/gpu/gpu_quantize.md). They are compiled for static shapes:
+    dynamic-shape kernels measured no faster than the eager ops there, and a run has few distinct sizes (a
+    unit's shard, the root's). The compiled ops may round a value that lies within an ulp of a half-step the
+    other way than the eager ops do (0.02-0.05% of bf16 codes, by one step), so a run is deterministic for a
+    fixed choice, which every rank makes alike: it follows the device type."""
+
+    def __init__(self, quantizer: BlockQuantizer, compiled: bool):
+        self.quantizer = quantizer
+        self.quantize = quantizer.quantize
+        self.dequantize = quantizer.dequantize
+        if compiled:
+            self.quantize = torch.compile(quantizer.quantize, dynamic=False)
+            self.dequantize = torch.compile(quantizer.dequantize, dynamic=False)

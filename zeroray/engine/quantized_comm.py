@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from zeroray.engine.comm import Chain, Comm, Handle
-from zeroray.engine.quantize import BlockQuantizer
+from zeroray.engine.quantize import BlockQuantizer, QuantizeKernels
 
 WEIGHT_BITS = 8
 
@@ -30,8 +30,8 @@ WEIGHT_BITS = 8
 class QuantizedGather:
     """qwZ: a block-wise int8 all-gather of a flat group's shards into its full buffer."""
 
-    def __init__(self, block: int):
-        self.quantizer = BlockQuantizer(WEIGHT_BITS, block)
+    def __init__(self, block: int, compiled: bool = False):
+        self.quantizer = QuantizeKernels(BlockQuantizer(WEIGHT_BITS, block), compiled)
         self.kind = f"all_gather_int{WEIGHT_BITS}"
 
     def all_gather(self, comm: Comm, full: torch.Tensor, shard: torch.Tensor) -> Handle:
@@ -50,10 +50,12 @@ class QuantizedReduceScatter:
     (its rank there = its place in the node) and the ranks at its place on every node (its rank there = its
     node's index), for the hierarchical form; ``comm``'s ranks must then be node-major."""
 
-    def __init__(self, bits: int, block: int, comm: Comm, node: Comm | None = None, cross: Comm | None = None):
+    def __init__(
+        self, bits: int, block: int, comm: Comm, node: Comm | None = None, cross: Comm | None = None, compiled: bool = False
+    ):
         if (node is None) != (cross is None) or (node is not None and node.world_size * cross.world_size != comm.world_size):
             raise ValueError("a hierarchical qgZ needs a node and a cross-node group whose sizes multiply to the group's")
-        self.quantizer = BlockQuantizer(bits, block)
+        self.quantizer = QuantizeKernels(BlockQuantizer(bits, block), compiled)
         self.kind = f"all_to_all_int{bits}"
         self.comm, self.node, self.cross = comm, node, cross
 
