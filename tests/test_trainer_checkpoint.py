@@ -82,7 +82,9 @@ def test_checkpoints_are_saved_and_the_newest_num_to_keep_stay(ray_cluster, tmp_
         (6, True, 2, 2, 6), (8, True, 2, 2, 8)
     ]
     run_dir = tmp_path / "runs" / name
-    assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoint_6", "checkpoint_8", "metrics.jsonl", "run.json"]
+    assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoint_6", "checkpoint_8", "epoch.json", "epoch.json.lock",
+                                                         "metrics.jsonl", "run.json"]
+    assert [c.epoch for c in infos] == [1, 1]  # the one attempt's fencing epoch
     assert result.checkpoint == zt.Checkpoint(path=infos[-1].url, step=8)
     zc.CheckpointReader(result.checkpoint.path).verify()
     assert [h["step"] for h in result.metrics_history] == list(range(1, 9))

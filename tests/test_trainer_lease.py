@@ -124,8 +124,8 @@ def test_a_fresh_lease_file_refuses_and_an_unreadable_one_counts_as_stale(ray_cl
     with caplog.at_level(logging.WARNING, logger="zeroray.train.driver.lease"):
         assert ZeroTrainer(_second_loop, run_config=rc).fit().metrics == {"driver": "second"}
     assert "taking over run 'held' from unknown" in caplog.text
-    # The lease is gone, and its lock file with it.
-    assert sorted(os.listdir(run_dir)) == ["metrics.jsonl", "run.json"]
+    # The lease is gone, and its lock file with it; the epoch fence (and its lock) stays with the run.
+    assert sorted(os.listdir(run_dir)) == ["epoch.json", "epoch.json.lock", "metrics.jsonl", "run.json"]
     assert_nothing_left("held")
 
 

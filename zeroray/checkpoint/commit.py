@@ -7,6 +7,9 @@
 2. rank 0 polls storage (bounded by a timeout, backing off) until every rank's marker parses;
 3. rank 0 writes ``manifest.json`` atomically — the commit — then deletes the markers.
 
+A fenced save (the trainer's: ``epoch`` given) names its markers and files after its epoch, and rank 0
+publishes the manifest only while the run's fence is still at that epoch (:mod:`zeroray.checkpoint.fence`).
+
 Collective agreement (:func:`agree`) is used by sync saves and before every save; async saves need
 none off the main thread, because rank 0 learns everything from storage.
 """
@@ -22,6 +25,7 @@ from typing import Any
 
 from fsspec import AbstractFileSystem
 
+from zeroray.checkpoint import fence
 from zeroray.checkpoint.manifest import (
     MANIFEST,
     CheckpointError,
@@ -36,14 +40,14 @@ from zeroray.storage import atomic_write
 _POLL_MAX_S = 1.0
 
 
-def write_marker(fs: AbstractFileSystem, path: str, rank: int, entry: FileEntry) -> None:
+def write_marker(fs: AbstractFileSystem, path: str, rank: int, entry: FileEntry, epoch: int | None = None) -> None:
     """This rank's file is complete: publish its entry."""
-    atomic_write(fs, posixpath.join(path, part_file(rank)), json.dumps({"file": entry.to_json()}).encode())
+    atomic_write(fs, posixpath.join(path, part_file(rank, epoch)), json.dumps({"file": entry.to_json()}).encode())
 
 
-def write_error_marker(fs: AbstractFileSystem, path: str, rank: int, error: str) -> None:
+def write_error_marker(fs: AbstractFileSystem, path: str, rank: int, error: str, epoch: int | None = None) -> None:
     """This rank's write failed: tell rank 0, so it stops waiting."""
-    atomic_write(fs, posixpath.join(path, part_file(rank)), json.dumps({"error": error}).encode())
+    atomic_write(fs, posixpath.join(path, part_file(rank, epoch)), json.dumps({"error": error}).encode())
 
 
 def _read_marker(fs: AbstractFileSystem, mpath: str) -> dict[str, Any] | None:
@@ -56,11 +60,12 @@ def _read_marker(fs: AbstractFileSystem, mpath: str) -> dict[str, Any] | None:
 
 
 def await_markers(
-    fs: AbstractFileSystem, path: str, url: str, world: int, timeout: float, cancel: threading.Event | None = None
+    fs: AbstractFileSystem, path: str, url: str, world: int, timeout: float, cancel: threading.Event | None = None,
+    epoch: int | None = None,
 ) -> list[FileEntry]:
-    """Rank 0: poll storage until every rank's marker parses; raise on a rank's error marker, or once
-    ``cancel`` is set (the ranks agreed that one failed)."""
-    names = [part_file(r) for r in range(world)]
+    """Rank 0: poll storage until every rank's marker (of ``epoch``) parses; raise on a rank's error
+    marker, or once ``cancel`` is set (the ranks agreed that one failed)."""
+    names = [part_file(r, epoch) for r in range(world)]
     markers: dict[int, dict[str, Any]] = {}
     deadline, delay = time.monotonic() + timeout, 0.01
     stop = cancel or threading.Event()
@@ -93,10 +98,12 @@ def commit(
     fs: AbstractFileSystem, path: str, url: str, manifest: Manifest, timeout: float,
     cancel: threading.Event | None = None,
 ) -> None:
-    """Rank 0: wait for every rank's marker, write the manifest atomically, delete the markers."""
-    manifest.files = await_markers(fs, path, url, manifest.world_size, timeout, cancel)
-    atomic_write(fs, posixpath.join(path, MANIFEST), dump_manifest(manifest))
-    fs.rm([posixpath.join(path, part_file(r)) for r in range(manifest.world_size)])
+    """Rank 0: wait for every rank's marker, write the manifest atomically (under the fence of the
+    manifest's epoch), delete the markers."""
+    epoch = manifest.epoch
+    manifest.files = await_markers(fs, path, url, manifest.world_size, timeout, cancel, epoch)
+    fence.publish(fs, posixpath.join(path, MANIFEST), dump_manifest(manifest), epoch, f"committing {url}")
+    fs.rm([posixpath.join(path, part_file(r, epoch)) for r in range(manifest.world_size)])
 
 
 def attempt(fn: Callable[[], None]) -> str | None:

@@ -73,13 +73,28 @@ class CheckpointNotFoundError(CheckpointStorageError):
     """The checkpoint directory does not exist: a wrong URL, or a checkpoint that retention deleted."""
 
 
-def rank_file(rank: int) -> str:
-    return f"rank-{rank:05d}.bin"
+def _tag(epoch: int | None) -> str:
+    return "" if epoch is None else f".e{epoch}"
 
 
-def part_file(rank: int) -> str:
+def rank_file(rank: int, epoch: int | None = None) -> str:
+    """A rank's file; a fenced save's names its epoch (``rank-00000.e7.bin``), so a cut-off rank of an
+    older epoch never writes over a newer checkpoint's file (see fence.py)."""
+    return f"rank-{rank:05d}{_tag(epoch)}.bin"
+
+
+def part_file(rank: int, epoch: int | None = None) -> str:
     """A rank's "done" marker: its file entry, read by the committer and deleted after the commit."""
-    return f"rank-{rank:05d}.part.json"
+    return f"rank-{rank:05d}{_tag(epoch)}.part.json"
+
+
+_EPOCH_NAME = re.compile(r"^rank-\d+\.e(\d+)\.")
+
+
+def file_epoch(name: str) -> int | None:
+    """The epoch a rank file's name carries (None: an unfenced save's name)."""
+    m = _EPOCH_NAME.match(name)
+    return int(m.group(1)) if m else None
 
 
 def aligned(n: int) -> int:
@@ -317,6 +332,9 @@ class Manifest:
     # The model's Hugging Face config (``model.config``, as its config.json holds it), when it has one:
     # `zeroray export` writes it beside the weights, so ``from_pretrained(export_dir)`` needs nothing else.
     hf_config: dict[str, Any] | None = None
+    # The fencing epoch of the attempt that committed it (fence.py); None: an unfenced save (and every
+    # checkpoint from before fencing), whose JSON has no "epoch" key.
+    epoch: int | None = None
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Manifest:
@@ -326,7 +344,7 @@ class Manifest:
             f.integer("world_size", 1), f.integer("stage", 0, 3),
             [GroupEntry.from_json(g, f"groups[{i}]") for i, g in enumerate(f.array("groups"))], f.mapping("meta"),
             [FileEntry.from_json(e, f"files[{i}]") for i, e in enumerate(f.array("files"))], f.integer("version"),
-            f.mapping("hf_config", optional=True),
+            f.mapping("hf_config", optional=True), f.integer("epoch", 1, optional=True),
         )
         m._check_layout()
         return m
@@ -339,6 +357,10 @@ class Manifest:
                              f"{self.world_size} ranks")
         if len({e.path for e in self.files}) != len(self.files):
             raise ValueError("two file entries name the same file")
+        for e in self.files:  # one epoch throughout: a cut-off rank's file never completes a newer checkpoint
+            if file_epoch(e.path) != self.epoch:
+                raise ValueError(f"a mixed checkpoint: {e.path} is a file of epoch {file_epoch(e.path)}, the manifest's "
+                                 f"epoch is {self.epoch}")
         groups = {g.name: g for g in self.groups}
         slots = [s.name for g in self.groups for s in g.slots]
         if len(groups) != len(self.groups) or len(set(slots)) != len(slots):
@@ -375,6 +397,8 @@ class Manifest:
         }
         if self.hf_config is not None:  # absent otherwise: manifests of other models are unchanged
             out["hf_config"] = self.hf_config
+        if self.epoch is not None:  # absent otherwise: unfenced manifests are as before
+            out["epoch"] = self.epoch
         return out
 
     def sections(self, kind: str) -> Iterator[tuple[FileEntry, SectionEntry]]:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from fsspec import AbstractFileSystem
 
 from zeroray import storage
+from zeroray.checkpoint import fence
 from zeroray.checkpoint.commit import agree
 from zeroray.checkpoint.manifest import (
     MANIFEST,
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
     from zeroray.engine import ZeroEngine
 
 _CKPT = re.compile(r"^checkpoint_(\d+)$")
-_RANK_FILE = re.compile(r"^rank-\d+\.(bin|part\.json)$")
+_RANK_FILE = re.compile(r"^rank-\d+(\.e\d+)?\.(bin|part\.json)$")
 join_url = storage.join_url
 parent_url = storage.parent_url
 
@@ -79,8 +80,10 @@ def _exists(fs: AbstractFileSystem, path: str, url: str) -> bool:
 
 def read_checked_manifest(fs: AbstractFileSystem, path: str, url: str) -> Manifest:
     """The manifest, and every file it names listed at its size (one listing) before anything is read
-    or allocated from it: a manifest claiming more bytes than its files hold is refused here."""
+    or allocated from it: a manifest claiming more bytes than its files hold is refused here, and so is
+    one that a cut-off rank of an older epoch committed (fence.py)."""
     manifest = read_manifest(fs, path, url)
+    _check_fence(fs, path, url, manifest, _read_fence(fs, fence.run_path_of(path), url))
     try:
         fs.invalidate_cache(path)
         listing = fs.ls(path, detail=True)
@@ -89,6 +92,23 @@ def read_checked_manifest(fs: AbstractFileSystem, path: str, url: str) -> Manife
     sizes = {posixpath.basename(e["name"].rstrip("/")): int(e.get("size") or 0) for e in listing if e.get("type") == "file"}
     check_files(manifest, sizes, url)
     return manifest
+
+
+def _read_fence(fs: AbstractFileSystem, run_path: str, url: str) -> fence.Fence | None:
+    try:
+        return fence.read(fs, run_path)
+    except CheckpointError:
+        raise
+    except Exception as e:  # no credentials, unreachable endpoint, permission denied
+        raise CheckpointStorageError(f"cannot read the epoch fence of {url}: {type(e).__name__}: {e}") from e
+
+
+def _check_fence(fs: AbstractFileSystem, path: str, url: str, manifest: Manifest, current: fence.Fence | None) -> None:
+    """Refuse a checkpoint committed by an older epoch after the run's fence moved past it."""
+    m = _CKPT.match(posixpath.basename(path.rstrip("/")))
+    why = fence.refusal(current, manifest.epoch, int(m.group(1)) if m else -1)
+    if why is not None:
+        raise CheckpointError(f"{url} was {why}")
 
 
 def check_files(manifest: Manifest, sizes: dict[str, int], url: str) -> None:
@@ -117,6 +137,7 @@ class CheckpointInfo:
     stage: int | None = None
     global_step: int | None = None
     broken: str | None = None
+    epoch: int | None = None  # the fencing epoch that committed it (None: unfenced)
 
 
 def _scan(fs: AbstractFileSystem, run_path: str, run_url: str) -> dict[int, tuple[str, dict[str, int]]]:
@@ -141,13 +162,16 @@ def _scan(fs: AbstractFileSystem, run_path: str, run_url: str) -> dict[int, tupl
     return dict(sorted(out.items()))
 
 
-def _info(fs: AbstractFileSystem, url: str, path: str, step: int, files: dict[str, int]) -> CheckpointInfo | None:
-    """Read and check one checkpoint's manifest (listed in ``files``); damage makes it broken, not an
-    error. None: it was deleted since the listing (retention, by a run saving now), so it is gone."""
+def _info(fs: AbstractFileSystem, url: str, path: str, step: int, files: dict[str, int],
+          current: fence.Fence | None = None) -> CheckpointInfo | None:
+    """Read and check one checkpoint's manifest (listed in ``files``) against the run's fence ``current``;
+    damage or a stale epoch makes it broken, not an error. None: it was deleted since the listing
+    (retention, by a run saving now), so it is gone."""
     size = sum(files.values())
     try:
         m = read_manifest(fs, path, url)
         check_files(m, files, url)
+        _check_fence(fs, path, url, m, current)
     except CheckpointNotFoundError:
         return None
     except CheckpointStorageError:
@@ -156,7 +180,7 @@ def _info(fs: AbstractFileSystem, url: str, path: str, step: int, files: dict[st
         if _vanished(fs, path, url):
             return None
         return CheckpointInfo(url, step, False, size, broken=str(e))
-    return CheckpointInfo(url, step, True, size, m.world_size, m.stage, m.meta.get("global_step"))
+    return CheckpointInfo(url, step, True, size, m.world_size, m.stage, m.meta.get("global_step"), epoch=m.epoch)
 
 
 def _vanished(fs: AbstractFileSystem, path: str, url: str) -> bool:
@@ -214,10 +238,12 @@ def list_checkpoints(
     ``committed`` only means a manifest file exists."""
     fs, run_path = open_url(run_url, storage_options)
     infos = []
-    for step, (path, files) in _scan(fs, run_path, run_url).items():
+    found = _scan(fs, run_path, run_url)
+    current = _read_fence(fs, run_path, run_url) if read_manifests and found else None
+    for step, (path, files) in found.items():
         url = join_url(run_url, posixpath.basename(path))
         if MANIFEST in files and read_manifests:
-            info = _info(fs, url, path, step, files)
+            info = _info(fs, url, path, step, files, current)
             if info is not None:  # else deleted since the listing: gone, not broken
                 infos.append(info)
         else:
@@ -251,9 +277,11 @@ def latest_valid(
 
 def _latest_valid(run_url: str, storage_options: dict[str, Any] | None) -> CheckpointInfo | None:
     fs, run_path = open_url(run_url, storage_options)
-    for step, (path, files) in reversed(_scan(fs, run_path, run_url).items()):
+    found = _scan(fs, run_path, run_url)
+    current = _read_fence(fs, run_path, run_url) if found else None
+    for step, (path, files) in reversed(found.items()):
         if MANIFEST in files:
-            info = _info(fs, join_url(run_url, posixpath.basename(path)), path, step, files)
+            info = _info(fs, join_url(run_url, posixpath.basename(path)), path, step, files, current)
             if info is not None and info.committed:
                 return info
     return None
@@ -301,3 +329,21 @@ def apply_retention(
     for c in doomed:
         delete_checkpoint(fs, posixpath.join(run_path, posixpath.basename(c.url)))
     return [c.url for c in doomed]
+
+
+def advance_epoch(run_url: str, storage_options: dict[str, Any] | None = None) -> int:
+    """The driver, before it starts a group: move the run's fence to the next epoch (1 for a run without
+    one) and return it; the group's saves carry it. Checkpoints committed until now stay valid; a rank of
+    an older epoch commits nothing from here on (fence.py)."""
+    fs, run_path = open_url(run_url, storage_options)
+
+    def accepted() -> dict[int, int]:
+        return {c.step: c.epoch for c in list_checkpoints(run_url, storage_options)
+                if c.committed and c.epoch is not None}
+
+    try:
+        return fence.advance(fs, run_path, accepted)
+    except CheckpointError:
+        raise
+    except Exception as e:  # no credentials, unreachable endpoint, permission denied
+        raise CheckpointStorageError(f"cannot advance the epoch fence of {run_url}: {type(e).__name__}: {e}") from e

@@ -43,6 +43,7 @@ import torch
 from fsspec import AbstractFileSystem
 
 from zeroray.checkpoint import commit as protocol
+from zeroray.checkpoint import fence
 from zeroray.checkpoint.commit import agree, attempt
 from zeroray.checkpoint.manifest import (
     ALGORITHM,
@@ -229,16 +230,19 @@ def _write_file(fs: AbstractFileSystem, path: str, pieces: Iterable[tuple[int, m
 
 
 def _write_rank(
-    fs: AbstractFileSystem, path: str, rank: int, sections: list[_Section], pieces: Iterable[tuple[int, memoryview]]
+    fs: AbstractFileSystem, path: str, rank: int, sections: list[_Section], pieces: Iterable[tuple[int, memoryview]],
+    epoch: int | None = None,
 ) -> None:
-    """This rank's file, then its marker carrying the file's manifest entry."""
-    name = rank_file(rank)
+    """This rank's file, then its marker carrying the file's manifest entry; neither when the run's fence
+    has moved past ``epoch`` (a cut-off rank: its upload stops here)."""
+    name = rank_file(rank, epoch)
+    fence.check(fs, fence.run_path_of(path), epoch, f"writing {posixpath.join(path, name)}")
     chunks = _write_file(fs, posixpath.join(path, name), pieces)
     entry = FileEntry(
         name, rank, _file_size(sections), ALGORITHM, CHUNK_BYTES, chunks, file_digest(chunks),
         [s.entry for s in sections],
     )
-    protocol.write_marker(fs, path, rank, entry)
+    protocol.write_marker(fs, path, rank, entry, epoch)
 
 
 @dataclass
@@ -257,25 +261,28 @@ class _Commit:
             apply_retention(self.run_url, self.num_to_keep, self.storage_options)
 
 
-def _prepare_dir(fs: AbstractFileSystem, path: str) -> None:
-    """Rank 0: start from an empty directory (a save to an existing checkpoint replaces it)."""
-    if fs.exists(path):
-        delete_checkpoint(fs, path)
+def _prepare_dir(fs: AbstractFileSystem, path: str, epoch: int | None = None) -> None:
+    """Rank 0: start from an empty directory (a save to an existing checkpoint replaces it); never one a
+    newer epoch may hold (the fence is checked under its lock)."""
+    with fence.fenced(fs, fence.run_path_of(path), epoch, f"preparing {path}"):
+        if fs.exists(path):
+            delete_checkpoint(fs, path)
     fs.makedirs(path, exist_ok=True)
 
 
 def _start(
     engine: ZeroEngine, url: str, storage_options: dict[str, Any] | None, num_to_keep: int | None,
-    commit_timeout: float,
+    commit_timeout: float, epoch: int | None = None,
 ) -> tuple[AbstractFileSystem, str, list[_Section], _Commit | None]:
     """Collective: open and prepare the directory, agree, and plan this rank's file."""
     fs, path = open_url(url, storage_options)
-    ready = attempt(lambda: _prepare_dir(fs, path)) if engine.rank == 0 else None
+    ready = attempt(lambda: _prepare_dir(fs, path, epoch)) if engine.rank == 0 else None
     agree(engine.comm, ready, f"preparing the save to {url}")
     groups, sections = _plan(engine)
     commit = None
     if engine.rank == 0:
-        manifest = Manifest(engine.world_size, engine.stage, groups, engine.state_meta(), hf_config=hf_config(engine.module))
+        manifest = Manifest(engine.world_size, engine.stage, groups, engine.state_meta(), hf_config=hf_config(engine.module),
+                            epoch=epoch)
         commit = _Commit(manifest, parent_url(url), num_to_keep, storage_options, commit_timeout)
     return fs, path, sections, commit
 
@@ -287,6 +294,7 @@ def save(
     storage_options: dict[str, Any] | None = None,
     num_to_keep: int | None = None,
     commit_timeout: float = 1800.0,
+    epoch: int | None = None,
 ) -> SaveHandle:
     """Collective: save ``engine`` to the directory ``url`` (any fsspec URL), every rank in parallel;
     returns on every rank once the checkpoint is committed. (For a save that overlaps training, use
@@ -294,10 +302,13 @@ def save(
 
     ``num_to_keep``: after the commit, rank 0 applies :func:`apply_retention` to the parent
     directory (the run). ``commit_timeout``: how long rank 0 waits for the other ranks' files.
+    ``epoch``: the attempt's fencing epoch (the trainer passes it; see fence.py): the save's files
+    and manifest name it, and nothing is written or committed once the run's fence is past it.
     """
     rank = engine.rank
-    fs, path, sections, commit = _start(engine, url, storage_options, num_to_keep, commit_timeout)
-    agree(engine.comm, attempt(lambda: _write_rank(fs, path, rank, sections, _views(sections))), f"writing {url}")
+    fs, path, sections, commit = _start(engine, url, storage_options, num_to_keep, commit_timeout, epoch)
+    agree(engine.comm, attempt(lambda: _write_rank(fs, path, rank, sections, _views(sections), epoch)),
+          f"writing {url}")
     agree(engine.comm, attempt(lambda: commit.run(fs, path, url)) if commit else None, f"committing {url}")
     return SaveHandle(url)
 
@@ -348,21 +359,22 @@ class AsyncSaver:
         storage_options: dict[str, Any] | None = None,
         num_to_keep: int | None = None,
         commit_timeout: float = 1800.0,
+        epoch: int | None = None,
     ) -> SaveHandle:
         """Collective: copy the engine's state into the host buffer and upload/commit it in the
         background; arguments as :func:`save`."""
         engine, rank = self.engine, self.engine.rank
         self.wait()
-        fs, path, sections, commit = _start(engine, url, storage_options, num_to_keep, commit_timeout)
+        fs, path, sections, commit = _start(engine, url, storage_options, num_to_keep, commit_timeout, epoch)
         handle = SaveHandle(url, comm=engine.comm)
 
         def write(pieces: Iterable[tuple[int, memoryview]]) -> None:
             try:
-                _write_rank(fs, path, rank, sections, pieces)
+                _write_rank(fs, path, rank, sections, pieces, epoch)
             except Exception as e:
                 handle.error = handle.write_error = e
                 msg = f"{type(e).__name__}: {e}"
-                attempt(lambda: protocol.write_error_marker(fs, path, rank, msg))  # for a join without a group
+                attempt(lambda: protocol.write_error_marker(fs, path, rank, msg, epoch))  # for a join without a group
             finally:
                 handle.written.set()
 

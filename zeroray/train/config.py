@@ -163,7 +163,9 @@ class FailureConfig:
     in a thread, so a healthy rank answers even inside a long step or collective. A rank that has not
     answered for this long (its process SIGSTOPped, or stuck in native code that holds the GIL) is a
     failure, handled like a dead one. Together with the collective timeout (a rank waiting on a hung
-    peer) this catches a hung rank within about a minute instead of torch's 30.
+    peer) this catches a hung rank within about a minute instead of torch's 30. The other way round, a
+    rank that the driver has not called for ``worker_heartbeat_timeout_s + collective_timeout_s`` (it is
+    cut off by a partition, or its driver died) stops its own process (docs/operations.md).
 
     ``snapshot_interval``: every this many optimizer steps (at the ``zt.report`` after the step), each rank
     copies its shard state into host memory and sends a copy to a buddy rank on another node, so a

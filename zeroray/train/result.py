@@ -45,6 +45,9 @@ class Attempt:
     ``FailureConfig.snapshot_interval``), "replica" (hybrid sharding: the live state of the replicas that
     survived, ``FailureConfig.replica_recovery``), "storage" (a committed checkpoint) or None (from scratch).
 
+    ``epoch``: the fencing epoch the driver gave the group (increasing over the run's life, across fits): its
+    saves carry it, and a rank of an older epoch commits nothing once it began.
+
     ``kept_ranks``: ranks whose actor (process, imports, bundle) came from the previous attempt; the others
     were started for it. ``phases``: seconds of its start, in order: ``prestart`` (a grow only: starting
     the added ranks while the previous group still trained, not counted against training), ``teardown`` (ending the previous
@@ -68,6 +71,7 @@ class Attempt:
     kept_ranks: int = 0
     phases: dict[str, float] = field(default_factory=dict)
     recovered_from: str | None = None
+    epoch: int | None = None  # its fencing epoch: what its checkpoints carry (zeroray/checkpoint/fence.py)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -216,10 +216,11 @@ class Controller:
 
     def _schedule(self, state: S.Scheduling) -> S.ControllerState:
         self.attempt += 1
+        epoch = self._advance_epoch()
         start_step = self._resume_step()
         decision = state.decision
         try:
-            self.group, decision = self._start_group(decision)
+            self.group, decision = self._start_group(decision, epoch)
         except WorkerGroupStartError as e:
             tb = traceback.format_exc()
             if e.rank is None:
@@ -231,6 +232,7 @@ class Controller:
         self.last_pids = self.group.pids
         self._begin_attempt(decision.num_workers, start_step)
         attempt = self.attempt_history[-1]
+        attempt.epoch = epoch
         attempt.kept_ranks = self.group.kept
         if self._prestart_s is not None:
             attempt.phases["prestart"], self._prestart_s = self._prestart_s, None
@@ -254,7 +256,16 @@ class Controller:
                            "ScalingConfig.elastic_batch='micro' keeps micro batch and accumulation instead)",
                            previous.train_batch_size, b.train_batch_size, decision.num_workers)
 
-    def _start_group(self, decision: ScalingDecision) -> tuple[WorkerGroup, ScalingDecision]:
+    def _advance_epoch(self) -> int:
+        """Fence off every earlier group before this one starts: the run's epoch moves on in storage, and a rank of
+        an older epoch (one cut off by a partition, which nobody could stop) can commit nothing from here on."""
+        from zeroray.checkpoint.storage import advance_epoch
+
+        epoch = advance_epoch(self.storage.url, self.spec.storage_options)
+        logger.info("zeroray: run %r: attempt %d writes as epoch %d", self.spec.name, self.attempt, epoch)
+        return epoch
+
+    def _start_group(self, decision: ScalingDecision, epoch: int) -> tuple[WorkerGroup, ScalingDecision]:
         """Start a group at ``decision``; an elastic group above min that cannot be placed soon is retried at
         the size the free resources hold (the overall wait is still ``placement_timeout_s``)."""
         policy, overall = self.scaling_policy, self.spec.placement_timeout_s
@@ -274,6 +285,7 @@ class Controller:
                     placement_timeout_s=window,
                     hang_timeout_s=self.failure_policy.heartbeat_timeout_s,
                     kept=kept,
+                    epoch=epoch,
                 )
                 return group, decision
             except WorkerGroupStartError as e:

@@ -3,7 +3,9 @@
 The driver checks it is writable, and shareable by every rank, before any actor starts. It holds:
 ``metrics.jsonl`` (the history, one report a line, appended across every ``fit()`` of the run; whole
 lines or nothing, even on a full disk), ``run.json`` (status, world size, error; written atomically),
-``lease.json`` (which ``fit()`` runs the run now, see lease.py; on a disk, ``lease.json.lock`` beside it while a fit runs) and the ranks' sharded checkpoints
+``lease.json`` (which ``fit()`` runs the run now, see lease.py; on a disk, ``lease.json.lock`` beside it while a fit runs),
+``epoch.json`` (the epoch fence: which attempt may commit, zeroray/checkpoint/fence.py; on a disk, ``epoch.json.lock``
+beside it) and the ranks' sharded checkpoints
 (``checkpoint_<step>/``, see worker/recovery.py).
 """
 

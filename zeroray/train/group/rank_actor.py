@@ -13,6 +13,11 @@ upload and leaves the process group; the next group's ``setup`` gives it its new
 runs the loop again (which resumes from the newest checkpoint). So a restart or resize pays for a new
 process, its imports and its placement only on new capacity. An actor whose loop does not end (stuck
 in a collective or in user code) is killed, never reused.
+
+A rank cut off from the driver (a network partition) cannot be killed by it, so it stops itself: while
+it is in a group, a watchdog thread ends the process once the driver has not called it (a poll, a release)
+for the group's orphan timeout (``worker_group.orphan_timeout_s``). Whatever it still writes to storage
+before then is fenced off by its epoch (zeroray/checkpoint/fence.py).
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ if TYPE_CHECKING:
 
 # How long release lets rank 0's async save commit by itself before it stops the commit's wait for a peer.
 COMMIT_GRACE_S = 1.0
+ORPHAN_EXIT_CODE = 75  # the process status of a rank that stopped itself, cut off from its driver
+_WATCHDOG_PERIOD_S = 0.5
 
 
 def actor_name(run: str, rank: int) -> str:
@@ -82,7 +89,10 @@ class RankActor:
         # a failed hybrid group left (recovery from replicas): kept from one group to the next, so a restarted group
         # recovers from its ranks' memory.
         self.snapshots = SnapshotStore()
+        self._contact = time.monotonic()  # the driver's last call (a poll, a release)
+        self._orphan_s: float | None = None  # this group's orphan timeout (None: no watchdog)
         self._clear_loop()
+        threading.Thread(target=self._watchdog, name="zeroray-orphan-watchdog", daemon=True).start()
         _log_info_to_stderr()
         _import_ahead()
         self.start_niceness = to_normal_priority()  # the start ran ahead of the node's running ranks (priority.py)
@@ -125,12 +135,16 @@ class RankActor:
         return rendezvous.node_address(), rendezvous.free_port()
 
     def setup(self, master_addr: str, master_port: int, info: RankInfo, spec: RunSpec,
-              dataset_shards: dict[str, Any], batch: BatchSizes | None = None, elastic: bool = False) -> None:
+              dataset_shards: dict[str, Any], batch: BatchSizes | None = None, elastic: bool = False,
+              epoch: int | None = None, orphan_timeout_s: float | None = None) -> None:
         """Join the process group as ``info``'s rank and build this rank's session. ``batch``: this group's
-        BatchSizes (elastic runs); ``elastic``: agree on recovery points at each report."""
+        BatchSizes (elastic runs); ``elastic``: agree on recovery points at each report; ``epoch``: the group's
+        fencing epoch, which its saves carry; ``orphan_timeout_s``: how long the loop may run without a call from
+        the driver before this process stops itself (None: no limit)."""
         if self.thread is not None:
             raise RuntimeError("RankActor.setup while the previous group's loop is not released")
         self.info = info
+        self._orphan_s = orphan_timeout_s
         self._announce_name()
         device = torch.device("cuda", 0) if self.use_gpu else torch.device("cpu")
         if self.use_gpu:
@@ -145,7 +159,7 @@ class RankActor:
             callbacks.append(RankMetrics(spec.name, self.info.world_rank))
         except Exception:  # no metrics agent (e.g. a minimal cluster): training does not depend on it
             pass
-        ctx = TrainContext(self.info, spec.name, spec.storage_path, device, spec.run_url, batch=batch)
+        ctx = TrainContext(self.info, spec.name, spec.storage_path, device, spec.run_url, batch=batch, epoch=epoch)
         self.session = Session(ctx, spec, dataset_shards, Comm(report_group), report_callbacks=callbacks,
                                elastic=elastic, snapshots=self.snapshots)
         if elastic:
@@ -159,6 +173,7 @@ class RankActor:
         """Run the user's loop in a thread; ``poll`` tells how it goes."""
         if self.session is None:
             raise RuntimeError("RankActor.start before setup")
+        self._contact = time.monotonic()
         self.thread = threading.Thread(target=self._run, name="zeroray-train-loop", daemon=True)
         self.thread.start()
 
@@ -194,6 +209,7 @@ class RankActor:
 
     def poll(self) -> PollAnswer:
         """Reports queued since the last poll, and whether the loop ended or failed."""
+        self._contact = time.monotonic()
         done, failure = self.done, self.failure  # read first: every report of a done loop is queued by now
         reports: list[Report] = []
         if self.session is not None:
@@ -219,6 +235,7 @@ class RankActor:
 
     def request_recovery_point(self) -> None:
         """A planned resize: stop the loop at the next report, after saving the engine (worker/recovery.py)."""
+        self._contact = time.monotonic()
         if self.session is not None:
             self.session.stop_requested = True
 
@@ -228,6 +245,7 @@ class RankActor:
         leave the process group. None when done; else why not (the loop or the upload is still running), and
         the actor must be killed (a stale upload could commit into a checkpoint directory the next group
         writes)."""
+        self._contact = time.monotonic()
         deadline = time.monotonic() + timeout_s
         if self.thread is not None:
             self.thread.join(timeout_s)
@@ -247,6 +265,22 @@ class RankActor:
         self._announce_name()  # idle until the next group's setup
         gc.collect()  # the last group's engine and model, before the next one builds its own
         return None
+
+    def _watchdog(self) -> None:
+        """Stop this process once it has been in a group (its loop started, not yet released: a loop that failed
+        may still upload) for the orphan timeout without a call from the driver: the rank is cut off (a partition)
+        or its driver is gone, and nobody else can stop it (see the module docstring)."""
+        while True:
+            time.sleep(_WATCHDOG_PERIOD_S)
+            limit, thread = self._orphan_s, self.thread
+            silent = time.monotonic() - self._contact
+            if limit is None or thread is None or silent <= limit:
+                continue
+            rank = self.info.world_rank if self.info is not None else "?"
+            print(f"zeroray: rank {rank} (pid {os.getpid()}) has not heard from the driver for {silent:.1f}s "
+                  f"(> worker_heartbeat_timeout_s + collective_timeout_s = {limit:g}s): it is cut off, stopping "
+                  f"its process", file=sys.stderr, flush=True)
+            os._exit(ORPHAN_EXIT_CODE)
 
     def shutdown(self) -> None:
         """Leave the process group when the loop is not stuck in a collective (else the actor is killed)."""
@@ -321,7 +355,9 @@ def _abandon_commit(session: Session) -> None:
         fs.invalidate_cache(path)
         present = {os.path.basename(p) for p in fs.ls(path, detail=False)}
         for rank in range(session.context.get_world_size()):
-            if part_file(rank) not in present:
-                write_error_marker(fs, path, rank, "the group ended (a rank failed) before this rank wrote its file")
+            epoch = session.context.epoch
+            if part_file(rank, epoch) not in present:
+                write_error_marker(fs, path, rank, "the group ended (a rank failed) before this rank wrote its file",
+                                   epoch)
     except Exception:  # storage unreachable: the actor is killed instead of kept
         pass

@@ -61,6 +61,15 @@ class WorkerGroupStartError(RuntimeError):
         self.kept: list[RankSlot] = []  # a placement timeout gives the kept slots back to the caller
 
 
+def orphan_timeout_s(spec: RunSpec, hang_timeout_s: float | None) -> float | None:
+    """How long a rank whose loop runs waits without a poll from the driver before it stops its own process
+    (None: never): ``FailureConfig.worker_heartbeat_timeout_s + collective_timeout_s``. The driver polls ten
+    times a second; it stops only while it handles a failure, which it ends within about the collective timeout
+    (waiting for the root cause) by releasing the rank or killing it. So a rank silent for longer is cut off
+    (a partition) or has lost its driver, and nobody else can stop it."""
+    return None if hang_timeout_s is None else hang_timeout_s + spec.collective_timeout_s
+
+
 def placement_group_name(run: str, slot: str | None = None) -> str:
     """The group's placement group (fixed size); ``slot``: one rank's own (elastic runs)."""
     return f"zeroray:{run}" if slot is None else f"zeroray:{run}:slot-{slot}"
@@ -224,11 +233,14 @@ class WorkerGroup:
         placement_timeout_s: float | None = None,
         hang_timeout_s: float | None = None,
         kept: list[RankSlot] | None = None,
+        epoch: int | None = None,
     ) -> WorkerGroup:
         """Place, create, rendezvous, start the loop, reusing the ``kept`` slots of the previous group (the
         group owns them from here). ``placement_timeout_s``: None = the spec's. On a placement timeout the new
         bundles are given back and the error's ``kept`` returns the kept slots to the caller; on any other
-        error the whole partial group, kept slots included, is torn down."""
+        error the whole partial group, kept slots included, is torn down. ``epoch``: the group's fencing epoch,
+        which its saves carry. Each rank stops its own process once the driver has not polled it for
+        ``hang_timeout_s + spec.collective_timeout_s`` (:func:`orphan_timeout_s`)."""
         group = cls(spec.name, hang_timeout_s)
         kept = list(kept or [])
         extra = kept[decision.num_workers:]  # a smaller group: the last ranks go
@@ -256,8 +268,10 @@ class WorkerGroup:
             shards = per_rank_datasets([s.node["node_id"] for s in group.slots])
             spec_ref = ray.put(spec)  # one copy of the loop and its config for every rank
             _, infos = rank_layout([s.node["node_id"] for s in group.slots])
+            orphan_s = orphan_timeout_s(spec, hang_timeout_s)
             group._get(
-                [a.setup.remote(addr, port, infos[r], spec_ref, shards[r], decision.batch, decision.elastic)
+                [a.setup.remote(addr, port, infos[r], spec_ref, shards[r], decision.batch, decision.elastic, epoch,
+                                orphan_s)
                  for r, a in enumerate(actors)],
                 "setup (torch.distributed rendezvous)",
             )

@@ -41,6 +41,7 @@ class TrainContext:
     device: torch.device
     trial_dir: str = ""
     batch: BatchSizes | None = None  # this group's batch sizes, when they are known
+    epoch: int | None = None  # the group's fencing epoch: its saves carry it (zeroray/checkpoint/fence.py)
 
     def get_world_size(self) -> int:
         return self.rank_info.world_size

@@ -133,7 +133,8 @@ def save_checkpoint(session: Session) -> None:
     session.last_saved_step = engine.global_step
     if session.snapshots is not None:  # a restart then knows storage may hold a state newer than a snapshot
         session.snapshots.saved_step = max(session.snapshots.saved_step or 0, engine.global_step)
-    options = {"storage_options": session.storage_options, "num_to_keep": cfg.num_to_keep}
+    options = {"storage_options": session.storage_options, "num_to_keep": cfg.num_to_keep,
+               "epoch": session.context.epoch}
     if not cfg.async_save:
         wait_for_save(session)  # a sync save after an async one: one save in flight at a time
         zc.save(engine, url, **options)
