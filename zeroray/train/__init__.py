@@ -1,5 +1,5 @@
 """zeroray.train: the Ray layer. Driver side: ZeroTrainer and its configs. Worker side (inside the loop):
-get_context, prepare, report, get_dataset_shard — the same shape as ``ray.train``."""
+get_context, prepare, report, get_dataset_shard, get_preemption_info — the same shape as ``ray.train``."""
 
 from zeroray.train.config import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from zeroray.train.dataset import get_dataset_shard
@@ -11,9 +11,11 @@ from zeroray.train.errors import (
     TrainingFailedError,
     WorkerFailure,
 )
+from zeroray.train.preemption import PreemptionInfo
 from zeroray.train.result import Checkpoint, Result
 from zeroray.train.trainer import ZeroTrainer
 from zeroray.train.worker.context import TrainContext, get_context
+from zeroray.train.worker.preemption import get_preemption_info
 from zeroray.train.worker.preparation import prepare
 from zeroray.train.worker.reporting import report
 
@@ -32,8 +34,10 @@ __all__ = [
     "ReportMismatchError",
     "RunLeaseError",
     "WorkerFailure",
+    "PreemptionInfo",
     "get_context",
     "prepare",
     "report",
     "get_dataset_shard",
+    "get_preemption_info",
 ]

@@ -181,6 +181,20 @@ class FailureConfig:
     copy of the rank's shard state, from the failure until the next group's first report). Where some shard
     has no surviving copy it falls back to the snapshots, then storage. False = off (the copy's host memory
     is not spared).
+
+    ``max_preemption_failures`` (Ray Train V2's name and default): how many preemptions the run recovers
+    from, counted apart from ``max_failures`` (-1 = no limit, 0 = none). A preemption is a drain notice of a
+    node that holds ranks (``ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION``, the autoscaler's, a
+    raylet's own on SIGTERM), a SIGTERM to a rank's process, or a failure of the ranks such a notice named.
+    On a notice the group takes a recovery point at its next ``zt.report`` that does not depend on the
+    leaving ranks (an in-memory snapshot to buddies that stay when ``snapshot_interval`` > 0, else a
+    checkpoint; whichever fits the deadline), then goes on without them: 0 steps lost. A deadline too short
+    for either degrades to crash recovery (the steps since the last recovery point are lost), with a warning
+    saying how long the recovery point needed. See docs/operations.md.
+
+    ``sigterm_grace_s``: a SIGTERM to a rank's process (how Kubernetes and the cluster launcher stop a pod)
+    is a notice with this many seconds left; the default is Kubernetes' ``terminationGracePeriodSeconds``
+    default, 30. Set it to the grace your platform gives.
     """
 
     max_failures: int = 0
@@ -188,12 +202,19 @@ class FailureConfig:
     worker_heartbeat_timeout_s: float = 30.0
     snapshot_interval: int = 0
     replica_recovery: bool = True
+    max_preemption_failures: int = -1
+    sigterm_grace_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_failures) or self.max_failures < -1:
             raise ValueError(
                 f"FailureConfig.max_failures must be an integer >= 0, or -1 for unlimited, "
                 f"got {self.max_failures!r}"
+            )
+        if not _is_int(self.max_preemption_failures) or self.max_preemption_failures < -1:
+            raise ValueError(
+                f"FailureConfig.max_preemption_failures must be an integer >= 0, or -1 for unlimited, "
+                f"got {self.max_preemption_failures!r}"
             )
         if not _is_int(self.snapshot_interval) or self.snapshot_interval < 0:
             raise ValueError(
@@ -202,7 +223,7 @@ class FailureConfig:
             )
         if not isinstance(self.replica_recovery, bool):
             raise ValueError(f"FailureConfig.replica_recovery must be True or False, got {self.replica_recovery!r}")
-        for name in ("collective_timeout_s", "worker_heartbeat_timeout_s"):
+        for name in ("collective_timeout_s", "worker_heartbeat_timeout_s", "sigterm_grace_s"):
             value = getattr(self, name)
             if not _is_number(value) or not value > 0:
                 raise ValueError(f"FailureConfig.{name} must be a number of seconds > 0, got {value!r}")

@@ -36,7 +36,8 @@ class Attempt:
     ``world_size``: its ranks; ``start_step``: the global step it resumed from (the newest committed
     checkpoint when it started; 0 = from scratch); ``last_step``: the global step of its last report
     (None: it reported nothing); ``end``: "finished", "failure", "resize_up", "resize_down",
-    "aborted" or "errored" (the driver's own error), None while it runs; ``rank`` / ``node``: the rank
+    "preempted" (a preemption notice; ``node``: the preempted node, ``message``: the recovery point taken and
+    why), "aborted" or "errored" (the driver's own error), None while it runs; ``rank`` / ``node``: the rank
     that failed first-hand and its Ray node id (failures only); ``steps_lost``: the steps the next
     attempt redid (``last_step`` - the next ``start_step``; 0 for a planned resize). Times are
     ``time.time()``: ``ended_at`` is when the driver noticed the end.

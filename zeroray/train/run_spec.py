@@ -48,6 +48,7 @@ class RunSpec:
     samples_per_step: int | None
     progress_bar: bool | None
     replica_recovery: bool = True  # FailureConfig's: a failed hybrid group's survivors keep their live state
+    sigterm_grace_s: float = 30.0  # FailureConfig's: a rank's SIGTERM is a notice with this much time left
 
     @property
     def backend(self) -> str:

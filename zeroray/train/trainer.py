@@ -118,6 +118,7 @@ class ZeroTrainer:
             collective_timeout_s=rc.failure_config.collective_timeout_s,
             snapshot_interval=rc.failure_config.snapshot_interval,
             replica_recovery=rc.failure_config.replica_recovery,
+            sigterm_grace_s=rc.failure_config.sigterm_grace_s,
             checkpoint_config=rc.checkpoint_config,
             samples_per_step=self.samples_per_step,
             progress_bar=rc.progress_bar,

@@ -52,7 +52,8 @@ class ControllerCallback:
         after_state_change(RUNNING, FINISHED)
 
     A failure the failure policy restarts goes ``after_attempt_end`` ("failure"), RESTARTING,
-    SCHEDULING, ``after_attempt_start`` of the next attempt; a planned resize goes through RESIZING.
+    SCHEDULING, ``after_attempt_start`` of the next attempt; a planned resize goes through RESIZING, a
+    preemption notice through PREEMPTING.
     The run ends in FINISHED, ERRORED or ABORTED (Ctrl-C), always with an ``after_state_change``.
 
     **Errors**: an exception out of a hook fails the run: the group is torn down, the controller
@@ -82,7 +83,8 @@ class ControllerCallback:
 
     def after_attempt_end(self, attempt: Attempt) -> None:
         """A group ended; ``attempt.end`` says why: "finished", "failure" (``rank``, ``node``,
-        ``message``), "resize_up" / "resize_down" (a planned resize), "aborted", "errored"."""
+        ``message``), "resize_up" / "resize_down" (a planned resize), "preempted" (a preemption notice, or a
+        failure of the ranks one named; ``message`` says the recovery point taken), "aborted", "errored"."""
 
 
 class HistoryCallback(ControllerCallback):

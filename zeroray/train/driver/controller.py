@@ -19,6 +19,14 @@ group down and schedules the new size, which resumes from that checkpoint with n
 that cannot be placed at the size the nodes' capacity promised (a dead node Ray still lists, resources
 someone else holds) is retried at the size that is free then.
 
+Preemptions (``PREEMPTING``): the controller watches Ray's drain notices of the group's nodes
+(:class:`~zeroray.train.driver.drain_watcher.DrainWatcher`) and the SIGTERMs its ranks report. On a notice it
+hands it to every rank; at their next report the ranks take the recovery point that fits the deadline (an
+in-memory snapshot to buddies that stay, else a checkpoint, else none: worker/preemption.py) and stop; the
+controller ends the leaving ranks (a fixed-size group off a draining node: all of them, for a new placement
+group) and schedules the next group on nodes that are not draining. A failure of the ranks a notice named
+counts as a preemption too (``FailureConfig.max_preemption_failures``), not against ``max_failures``.
+
 Ending a group keeps its healthy rank actors for the next one (``WorkerGroup.disband``): only the ranks
 that failed first-hand, died or hung are killed, so a restart or a resize starts new processes only on
 new capacity. A grow starts its new ranks first, while the group still trains, and asks for the
@@ -42,6 +50,7 @@ from zeroray.train.driver.callbacks import (
     ProgressCallback,
     RunInfoCallback,
 )
+from zeroray.train.driver.drain_watcher import DrainWatcher
 from zeroray.train.driver.failure_policy import FailureDecision, FailurePolicy
 from zeroray.train.driver.lease import RunLease
 from zeroray.train.driver.metrics import ControllerMetrics
@@ -51,6 +60,7 @@ from zeroray.train.driver.scaling_policy import ScalingPolicy
 from zeroray.train.errors import CallbackError, Failure, StartFailure, TrainingFailedError, WorkerFailure
 from zeroray.train.group.poll import PollStatus
 from zeroray.train.group.worker_group import RankSlot, WorkerGroup, WorkerGroupStartError, end_slots
+from zeroray.train.preemption import PreemptionInfo, RecoveryChoice, merge
 from zeroray.train.report import Report
 from zeroray.train.result import Attempt, Result, latest_checkpoint
 from zeroray.train.run_spec import RunSpec
@@ -68,6 +78,10 @@ ELASTIC_PLACEMENT_RETRY_S = 5.0
 # How long a planned resize waits for the ranks to reach a recovery point (their next zt.report) before it
 # resizes from the newest checkpoint anyway.
 RECOVERY_POINT_WAIT_S = 120.0
+# After a preemption deadline passed, how long the driver still waits for the ranks' stop before it ends the
+# leaving ranks anyway (the node may outlive its deadline a little; a notice without deadline waits
+# RECOVERY_POINT_WAIT_S).
+PREEMPTION_STOP_SLACK_S = 5.0
 # How long the surviving ranks of a failed group get to see their collectives fail and leave their loop before
 # they are killed instead of kept. A rank whose peer died fails at once (the socket closes); one waiting in a
 # collective on a live peer that already gave up on it waits for collective_timeout_s (gloo cannot abort a
@@ -129,6 +143,9 @@ class Controller:
         self.callbacks: list[ControllerCallback] = [*default_callbacks(spec, storage), *(callbacks or [])]
         self.history = next(c for c in self.callbacks if isinstance(c, HistoryCallback))
         self._ending_badly = False  # ERRORED / ABORTED under way: a hook's exception is logged, not raised
+        self.drains = DrainWatcher()
+        self._notice: PreemptionInfo | None = None  # the notice the current group is handling
+        self._leaving: set[int] = set()  # ranks a failure during it must kill too (all, for a fixed group's move)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> Result:
@@ -192,10 +209,13 @@ class Controller:
             return self._poll()
         if isinstance(state, S.Restarting):
             hung = any(getattr(f, "hung", False) for f in state.failures)
-            self._end_group(_first_hand(state.failures), SURVIVOR_RELEASE_AFTER_HANG_S if hung else SURVIVOR_RELEASE_S)
+            failed, self._leaving, self._notice = _first_hand(state.failures) | self._leaving, set(), None
+            self._end_group(failed, SURVIVOR_RELEASE_AFTER_HANG_S if hung else SURVIVOR_RELEASE_S)
             return S.Scheduling(self.scaling_policy.decide_for_new_group())
         if isinstance(state, S.Resizing):
             return self._resize(state)
+        if isinstance(state, S.Preempting):
+            return self._preempt(state)
         raise AssertionError(f"no handler for {state}")
 
     # ------------------------------------------------------------------ handlers
@@ -318,6 +338,9 @@ class Controller:
             return S.Finished()
         if self.lease is not None and self.lease.lost:
             return self._errored([StartFailure("lease", self.lease.lost)])
+        notice = merge(self.drains.poll(self.group.node_to_ranks()), *status.sigterms)
+        if notice is not None:
+            return S.Preempting(notice)
         resize = self.scaling_policy.decide_while_running(len(self.group.actors))
         if resize is not None:
             return S.Resizing(resize)
@@ -357,6 +380,53 @@ class Controller:
         # Stopped at a recovery point: every rank is released at once; one that did not stop is killed.
         self._end_group(set(), 0.0 if status.all_stopped else 0.5)
         return S.Scheduling(state.decision)
+
+    def _preempt(self, state: S.Preempting) -> S.ControllerState:
+        """A preemption notice: every rank is told; at their next report they take the recovery point that fits
+        the deadline and stop (worker/preemption.py); then the leaving ranks end and the next group is scheduled
+        on nodes that are not draining. A fixed-size group off a draining node starts afresh (its placement
+        group holds a bundle there), so its recovery point is a checkpoint."""
+        assert self.group is not None
+        info, size = state.info, len(self.group.actors)
+        drained = any(self.drains.is_draining(n) for n in info.preempted_node_ids)
+        keeps_ranks = self.scaling_policy.elastic or not drained
+        self._notice = info
+        self._leaving = set(info.preempted_ranks) if keeps_ranks else set(range(size))
+        remaining = info.remaining_s()
+        logger.warning("zeroray: preemption notice: node(s) %s with rank(s) %s leave %s; the group takes a recovery "
+                       "point at its next zt.report and goes on without them",
+                       [n[:12] for n in info.preempted_node_ids], info.preempted_ranks,
+                       "with no deadline" if remaining is None else f"in {remaining:.1f}s")
+        self.group.mark_preempt(info, keeps_ranks)
+        wait_s = RECOVERY_POINT_WAIT_S if remaining is None else max(remaining, 0.0) + PREEMPTION_STOP_SLACK_S
+        deadline = time.monotonic() + wait_s
+        while True:
+            status = self._poll_group(POLL_INTERVAL_S)
+            if status.failures:
+                return self._on_failure(self._collect_failures(status.failures))
+            if status.all_stopped:
+                break
+            if status.finished:
+                self._end_attempt("finished")
+                return S.Finished()
+            if time.monotonic() > deadline:
+                logger.warning("zeroray: the ranks reached no zt.report within %.0fs of the preemption notice; the "
+                               "group goes on without the leaving ranks from the newest recovery point, as after a "
+                               "crash", wait_s)
+                break
+            time.sleep(POLL_INTERVAL_S)
+        later = merge(*status.sigterms)  # a SIGTERM that came meanwhile: that rank leaves too
+        self._leaving |= set(later.preempted_ranks) if later is not None else set()
+        if status.stopped_at is not None and self.attempt_history:
+            self.attempt_history[-1].last_step = status.stopped_at
+        what = _log_recovery_point(status.stopped_with if status.all_stopped else None)
+        self._end_attempt("preempted", node=info.preempted_node_ids[0] if info.preempted_node_ids else None,
+                          message=f"rank(s) {info.preempted_ranks} preempted: {what}")
+        if self.failure_policy.decide_preemption() is FailureDecision.RAISE:
+            return self._errored([_too_many_preemptions(self.failure_policy)])
+        failed, self._leaving, self._notice = self._leaving, set(), None
+        self._end_group(failed, 0.0 if status.all_stopped else 0.5)
+        return S.Scheduling(self.scaling_policy.decide_for_new_group())
 
     def _start_spares(self, decision: ScalingDecision) -> S.ControllerState | None:
         """Start the ranks a grow adds while the group trains (their placement, process start and imports);
@@ -441,8 +511,18 @@ class Controller:
         first = next((f for f in failures if not getattr(f, "secondary", False)), failures[0])
         rank = getattr(first, "rank", None)
         node = self.group.node_of(rank) if self.group is not None else None
-        self._end_attempt("failure", rank=rank, node=node, message=str(first).splitlines()[0])
-        decision = self.failure_policy.decide(failures)
+        preempted = self._notice is not None and (rank in self._notice.preempted_ranks
+                                                  or node in self._notice.preempted_node_ids)
+        self._end_attempt("preempted" if preempted else "failure", rank=rank, node=node,
+                          message=str(first).splitlines()[0])
+        if preempted:  # a rank a notice named went before the recovery point: a preemption, not a failure
+            logger.warning("zeroray: rank %s went before the preemption's recovery point: the next group resumes "
+                           "from the newest earlier one, as after a crash", rank)
+            decision = self.failure_policy.decide_preemption()
+            if decision is FailureDecision.RAISE:
+                return self._errored([_too_many_preemptions(self.failure_policy), *failures])
+        else:
+            decision = self.failure_policy.decide(failures)
         if decision is FailureDecision.RESTART:
             latest = self._latest_checkpoint()
             logger.warning(
@@ -527,6 +607,32 @@ class Controller:
 def _first_hand(failures: list[Failure]) -> set[int]:
     """Ranks that failed on their own (not through a peer's failure): never reused."""
     return {f.rank for f in failures if isinstance(f, WorkerFailure) and not f.secondary}
+
+
+def _log_recovery_point(choice: RecoveryChoice | None) -> str:
+    """Log the recovery point the ranks took on a notice, and why (a warning when there was none); returns
+    what to record as the attempt's message."""
+    if choice is None:
+        logger.warning("zeroray: preemption: no recovery point (the ranks did not stop in time); the next group "
+                       "resumes from the newest earlier one, as after a crash")
+        return "no recovery point (the ranks did not stop in time)"
+    if choice.kind == "none":
+        needed = min(choice.needed_s.values(), default=None)
+        logger.warning(
+            "zeroray: preemption: the deadline is too short for a recovery point at step %s (%s): the recovery "
+            "point needed about %s; the next group resumes from the newest earlier one, as after a crash (the "
+            "steps since are lost)", choice.step, choice.explain(),
+            "?" if needed is None else f"{needed:.2f}s (x1.5 + 1s of margin)")
+        return f"no recovery point at step {choice.step}: {choice.explain()}"
+    where = "in-memory snapshot to buddies on ranks that stay" if choice.kind == "snapshot" else "checkpoint"
+    logger.warning("zeroray: preemption: %s at step %s, took %.2fs (%s)", where, choice.step, choice.took_s,
+                   choice.explain())
+    return f"{choice.kind} at step {choice.step} in {choice.took_s:.2f}s ({choice.explain()})"
+
+
+def _too_many_preemptions(policy: FailurePolicy) -> StartFailure:
+    return StartFailure("preemption", f"preempted {policy.num_preemptions} time(s), more than "
+                                      f"FailureConfig.max_preemption_failures={policy.max_preemptions}")
 
 
 def _count_lost(previous: Attempt, start_step: int) -> None:

@@ -2,7 +2,8 @@
 
 ``FailureConfig.max_failures`` counts group failures over the whole run (-1 = no limit). A restart
 starts a new group and runs the loop again from its start; ``zt.prepare`` loads the newest committed
-checkpoint into the new group, so the loop resumes from ``engine.global_step``.
+checkpoint into the new group, so the loop resumes from ``engine.global_step``. Preemptions (a notice, or the
+failure of the ranks a notice named) count apart, against ``FailureConfig.max_preemption_failures``.
 """
 
 from __future__ import annotations
@@ -24,10 +25,19 @@ class FailurePolicy:
     def __init__(self, failure_config: FailureConfig) -> None:
         self.max_failures = failure_config.max_failures
         self.heartbeat_timeout_s = failure_config.worker_heartbeat_timeout_s  # the worker group's watchdog
+        self.max_preemptions = failure_config.max_preemption_failures
         self.num_failures = 0
+        self.num_preemptions = 0
 
     def decide(self, failures: list[WorkerFailure]) -> FailureDecision:
         self.num_failures += 1
         if self.max_failures < 0 or self.num_failures <= self.max_failures:
+            return FailureDecision.RESTART
+        return FailureDecision.RAISE
+
+    def decide_preemption(self) -> FailureDecision:
+        """A preemption: counted apart from failures, against ``max_preemption_failures``."""
+        self.num_preemptions += 1
+        if self.max_preemptions < 0 or self.num_preemptions <= self.max_preemptions:
             return FailureDecision.RESTART
         return FailureDecision.RAISE

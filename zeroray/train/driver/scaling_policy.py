@@ -4,7 +4,8 @@
 
 ``FixedScalingPolicy`` always answers ``num_workers``. ``ElasticScalingPolicy`` (``num_workers=(min,
 max)``, after Ray Train V2's) counts the workers the cluster's live nodes can hold, takes the largest
-*feasible* size (one the batch rule allows, :class:`BatchPlan`) between min and max, and while the
+*feasible* size (one the batch rule allows, :class:`BatchPlan`) between min and max (a draining node, one
+with a preemption notice, counts for nothing), and while the
 group runs asks again every ``elastic_resize_monitor_interval_s``: the controller resizes when the
 answer differs. A failed group is restarted at whatever is there now (shrinking instead of waiting
 for a lost node), a grown cluster is used at the next check.
@@ -21,6 +22,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 
 from zeroray.train.config import ScalingConfig
+from zeroray.train.driver.drain_watcher import draining_nodes
 from zeroray.train.sizing import BatchPlan, ScalingDecision
 
 logger = logging.getLogger(__name__)
@@ -65,15 +67,21 @@ def fitting_workers(per_node: dict[str, dict[str, float]], per_worker: dict[str,
 
 
 def _total_per_node() -> dict[str, dict[str, float]]:
+    """The live nodes' resources; a draining node (a preemption notice) holds nothing for a group."""
     from ray._private import state
 
-    return state.total_resources_per_node()
+    try:
+        draining = draining_nodes()
+    except Exception as e:  # the GCS call failed: count every live node, as before drains were known
+        logger.warning("zeroray: could not read Ray's draining nodes: %s: %s", type(e).__name__, e)
+        draining = {}
+    return {n: r for n, r in state.total_resources_per_node().items() if n not in draining}
 
 
 def _available_per_node() -> dict[str, dict[str, float]]:
     from ray._private import state
 
-    alive = set(state.total_resources_per_node())
+    alive = set(_total_per_node())
     return {n: r for n, r in state.available_resources_per_node().items() if n in alive}
 
 

@@ -4,6 +4,7 @@ INITIALIZING -> SCHEDULING -> RUNNING -> FINISHED
                     ^            |-> RESTARTING -> SCHEDULING   (failure policy says restart)
                     |            |-> ERRORED                    (failure policy says raise)
                     '-- RESIZING <-'                            (scaling policy asks; the fixed one never does)
+                    '-- PREEMPTING <-'                          (a drain notice or a rank's SIGTERM)
 SCHEDULING -> RESTARTING / ERRORED when the group cannot start (failure policy)
 any non-terminal state -> ABORTED (Ctrl-C in the driver), ERRORED (an error in the driver itself)
 """
@@ -14,6 +15,7 @@ import enum
 from dataclasses import dataclass, field
 
 from zeroray.train.errors import Failure
+from zeroray.train.preemption import PreemptionInfo
 from zeroray.train.sizing import ScalingDecision
 
 
@@ -23,6 +25,7 @@ class StateType(enum.Enum):
     RUNNING = "RUNNING"
     RESTARTING = "RESTARTING"
     RESIZING = "RESIZING"
+    PREEMPTING = "PREEMPTING"
     FINISHED = "FINISHED"
     ERRORED = "ERRORED"
     ABORTED = "ABORTED"
@@ -67,6 +70,14 @@ class Restarting(ControllerState):
 class Resizing(ControllerState):
     decision: ScalingDecision
     type: StateType = field(default=StateType.RESIZING, init=False)
+
+
+@dataclass(frozen=True)
+class Preempting(ControllerState):
+    """Ranks of the group leave soon (``info``): a recovery point, then a group without them."""
+
+    info: PreemptionInfo
+    type: StateType = field(default=StateType.PREEMPTING, init=False)
 
 
 @dataclass(frozen=True)

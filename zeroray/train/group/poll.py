@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from zeroray.train.errors import WorkerFailure
+from zeroray.train.preemption import PreemptionInfo, RecoveryChoice
 from zeroray.train.report import Report
 
 
@@ -23,7 +24,9 @@ class PollAnswer:
     this answer or an earlier one); ``failure``: why it failed; ``stopped``: it ended at a recovery point
     (a planned resize), at the engine's global step ``stopped_at``. ``timings`` and ``resumed`` come once,
     with the rank's first report: its start-up seconds by phase (``Attempt.phases``) and where its
-    ``zt.prepare`` resumed from ("memory" | "replica" | "storage", step).
+    ``zt.prepare`` resumed from ("memory" | "replica" | "storage", step). ``stopped_with``: on a preemption
+    notice, the recovery point the loop stopped at and why; ``sigterm``: the rank's process got SIGTERM (a
+    notice for this rank, with the grace left).
     """
 
     reports: tuple[Report, ...] = ()
@@ -33,6 +36,8 @@ class PollAnswer:
     stopped_at: int | None = None
     timings: dict[str, float] | None = None
     resumed: tuple[Literal["memory", "replica", "storage"], int] | None = None
+    stopped_with: RecoveryChoice | None = None
+    sigterm: PreemptionInfo | None = None
 
 
 @dataclass
@@ -46,6 +51,8 @@ class PollStatus:
     stopped_at: int | None = None
     timings: dict[str, float] | None = None  # rank 0's start-up seconds, with its first report
     resumed: tuple[Literal["memory", "replica", "storage"], int] | None = None  # with them: what the group resumed from
+    stopped_with: RecoveryChoice | None = None  # rank 0's, once it stopped at a preemption's recovery point
+    sigterms: list[PreemptionInfo] = field(default_factory=list)  # ranks whose process got SIGTERM
 
     @property
     def finished(self) -> bool:

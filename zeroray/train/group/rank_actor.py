@@ -39,6 +39,7 @@ from zeroray.train.errors import WorkerFailure, is_collective_error, is_collecti
 from zeroray.train.group import rendezvous
 from zeroray.train.group.poll import PollAnswer
 from zeroray.train.group.priority import threads_niceness, to_normal_priority
+from zeroray.train.preemption import PreemptionInfo
 from zeroray.train.report import Report
 from zeroray.train.run_spec import RankInfo, RunSpec
 from zeroray.train.sizing import BatchSizes
@@ -95,6 +96,15 @@ class RankActor:
         threading.Thread(target=self._watchdog, name="zeroray-orphan-watchdog", daemon=True).start()
         _log_info_to_stderr()
         _import_ahead()
+        from zeroray.train.worker.preemption import SigtermNotice
+
+        # SIGTERM (a pod or node being stopped) is a preemption notice for this rank, not an abrupt end; this
+        # process only: the user's driver keeps its own handling.
+        self.sigterm = SigtermNotice(training=lambda: self.thread is not None and not self.done)
+        self.sigterm.install()
+        import ray
+
+        self._node_id = ray.get_runtime_context().get_node_id()
         self.start_niceness = to_normal_priority()  # the start ran ahead of the node's running ranks (priority.py)
 
     def _clear_loop(self) -> None:
@@ -104,6 +114,7 @@ class RankActor:
         self.done = False
         self.stopped_at: int | None = None  # the step of the recovery point the loop stopped at
         self.stopped = False
+        self.stopped_with: Any = None  # on a preemption notice: the RecoveryChoice the loop stopped with
         self.loop_started_at: float | None = None
         self.timings_sent = False
 
@@ -145,6 +156,7 @@ class RankActor:
             raise RuntimeError("RankActor.setup while the previous group's loop is not released")
         self.info = info
         self._orphan_s = orphan_timeout_s
+        self.sigterm.grace_s = spec.sigterm_grace_s
         self._announce_name()
         device = torch.device("cuda", 0) if self.use_gpu else torch.device("cpu")
         if self.use_gpu:
@@ -190,7 +202,7 @@ class RankActor:
             wait_for_save(session)  # join an async save (rank 0: committed) before "done"
             finish(session)
         except RecoveryPointReached as e:
-            self.stopped_at, self.stopped = e.step, True
+            self.stopped_at, self.stopped, self.stopped_with = e.step, True, e.choice
         except BaseException as e:  # noqa: B036 - SystemExit in a loop is a failure too
             self.failure = WorkerFailure(
                 rank=self.info.world_rank,
@@ -221,8 +233,10 @@ class RankActor:
             self.timings_sent = True
             timings = self._startup_timings(reports[0].time)
             resumed = self.session.resumed
+        sigterm = self.sigterm.notice(self._node_id, self.info.world_rank) if self.info is not None else None
         return PollAnswer(reports=tuple(reports), done=done, failure=failure, stopped=self.stopped and done,
-                          stopped_at=self.stopped_at, timings=timings, resumed=resumed)
+                          stopped_at=self.stopped_at, timings=timings, resumed=resumed,
+                          stopped_with=self.stopped_with, sigterm=sigterm)
 
     def _startup_timings(self, first_report_at: float) -> dict[str, float]:
         """Seconds from the loop's start to its first report: building the model and engine (until zt.prepare
@@ -232,6 +246,14 @@ class RankActor:
         load = session.checkpoint_load[0] if session.checkpoint_load is not None else 0.0
         return {"build": max(ready - start, 0.0), "load": load,
                 "first_step": max(first_report_at - ready - load, 0.0)}
+
+    def mark_preempt(self, info: PreemptionInfo, keeps_ranks: bool) -> None:
+        """The driver's preemption notice: ``zt.get_preemption_info()`` returns it, and the group takes a recovery
+        point at its next report and stops (worker/preemption.py). ``keeps_ranks``: the next group keeps the
+        ranks that stay, so their memory can hold an in-memory snapshot."""
+        if self.session is not None:
+            self.session.preemption_keeps_ranks = keeps_ranks
+            self.session.preemption = info
 
     def request_recovery_point(self) -> None:
         """A planned resize: stop the loop at the next report, after saving the engine (worker/recovery.py)."""

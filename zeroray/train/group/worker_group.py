@@ -377,6 +377,9 @@ class WorkerGroup:
                 status.reports.extend(answer.reports)
                 status.timings = answer.timings
                 status.resumed = answer.resumed
+                status.stopped_with = answer.stopped_with
+            if answer.sigterm is not None:
+                status.sigterms.append(answer.sigterm)
             self._done[rank] = answer.done
             if answer.stopped:
                 self._stopped[rank] = True
@@ -413,6 +416,20 @@ class WorkerGroup:
         if rank is None or rank >= len(self.node_infos):
             return None
         return self.node_infos[rank].get("node_id")
+
+    def node_to_ranks(self) -> dict[str, list[int]]:
+        """Each Ray node id of the group and its ranks."""
+        out: dict[str, list[int]] = {}
+        for rank, info in enumerate(self.node_infos):
+            out.setdefault(info.get("node_id", "?"), []).append(rank)
+        return out
+
+    def mark_preempt(self, info: Any, keeps_ranks: bool) -> None:
+        """Hand every rank a preemption notice (``RankActor.mark_preempt``); fire and forget: the ranks stop at a
+        recovery point at their next report, which ``poll`` says (``all_stopped``, ``stopped_with``)."""
+        for rank, actor in enumerate(self.actors):
+            if rank not in self._gone:
+                actor.mark_preempt.remote(info, keeps_ranks)
 
     def request_recovery_point(self) -> None:
         """Ask every rank to stop at its next report after saving (a planned resize); fire and forget: the

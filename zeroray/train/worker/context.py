@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from zeroray.checkpoint.snapshot import SnapshotStore
     from zeroray.engine import ZeroEngine
     from zeroray.engine.comm import Comm
+    from zeroray.train.preemption import PreemptionInfo
 
 
 @dataclass
@@ -132,6 +133,9 @@ class Session:
     snapshot_group: tuple[str, list[int]] | None = None  # this group's id and its ranks' node ranks
     last_snapshot_step: int | None = None
     resumed: tuple[Literal["memory", "replica", "storage"], int] | None = None  # where zt.prepare's resume came from, and its step
+    preemption: PreemptionInfo | None = None  # the driver's notice (RankActor.mark_preempt): zt.get_preemption_info
+    preemption_keeps_ranks: bool = True  # the next group keeps the ranks that stay (their memory can hold a snapshot)
+    measured_s: dict[str, float] = field(default_factory=dict)  # seconds of the last "snapshot" / sync "checkpoint"
 
     @property
     def engine(self) -> ZeroEngine | None:

@@ -45,6 +45,7 @@ from typing import Any
 
 import zeroray.checkpoint as zc
 from zeroray.checkpoint import snapshot
+from zeroray.train.preemption import RecoveryChoice
 from zeroray.train.report import RankStats, Report
 from zeroray.train.worker.context import ReportCallback, Session
 
@@ -208,11 +209,12 @@ def drop_recovered(session: Session) -> None:
 
 class RecoveryPointReached(BaseException):  # noqa: N818 - a control-flow signal, not an error
     """Raised out of ``zt.report`` to end the loop at a recovery point; a BaseException so that a loop's
-    ``except Exception`` does not swallow it. ``step``: the engine's global step saved (None: no engine)."""
+    ``except Exception`` does not swallow it. ``step``: the engine's global step saved (None: no engine);
+    ``choice``: on a preemption notice, which recovery point was taken and why (worker/preemption.py)."""
 
-    def __init__(self, step: int | None) -> None:
+    def __init__(self, step: int | None, choice: RecoveryChoice | None = None) -> None:
         super().__init__(f"stopped at a recovery point (step {step})")
-        self.step = step
+        self.step, self.choice = step, choice
 
 
 class RecoveryPointCallback(ReportCallback):

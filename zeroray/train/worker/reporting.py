@@ -23,7 +23,7 @@ import torch
 
 from zeroray.train.errors import ReportMismatchError
 from zeroray.train.report import RankStats, Report
-from zeroray.train.worker import recovery
+from zeroray.train.worker import preemption, recovery
 from zeroray.train.worker.context import Session, get_session
 
 _DONE = "__zeroray_done__"
@@ -98,6 +98,8 @@ def _save(session: Session, stats: RankStats) -> RankStats:
     start = time.perf_counter()
     recovery.save_checkpoint(session)
     blocked = time.perf_counter() - start
+    if not session.checkpoint_config.async_save:  # an async save's blocked time is not what a recovery point needs
+        session.measured_s["checkpoint"] = blocked
     return dataclasses.replace(stats, checkpoint_s=blocked, checkpoint_bytes=recovery.shard_bytes(session.engine))
 
 
@@ -140,7 +142,8 @@ def report(metrics: dict[str, Any], checkpoint: bool = False) -> None:
     plain = {k: _plain(v) for k, v in metrics.items()}
     stats = _rank_stats(session)
     is_rank0 = session.context.get_world_rank() == 0
-    item = {"metrics": plain if is_rank0 else None, "stats": stats, "checkpoint": checkpoint}
+    notice = (session.preemption, session.preemption_keeps_ranks) if session.preemption is not None else None
+    item = {"metrics": plain if is_rank0 else None, "stats": stats, "checkpoint": checkpoint, "preempt": notice}
     session.waiting_in = "report"
     gathered = _exchange(session, item)
     _check_mismatch(gathered, num_reports=session.num_reports)
@@ -149,13 +152,17 @@ def report(metrics: dict[str, Any], checkpoint: bool = False) -> None:
         stats = _save(session, stats)
     if recovery.snapshot_due(session):
         seconds, nbytes = recovery.take_snapshot(session)
+        session.measured_s["snapshot"] = seconds
         stats = dataclasses.replace(stats, snapshot_s=seconds, snapshot_bytes=nbytes)
     session.num_reports += 1
     session.waiting_in = None
     for callback in session.report_callbacks:
         callback.after_report(plain, stats, session.num_reports)
+    ranks = tuple(g["stats"] for g in gathered)
+    agreed = preemption.agreed(gathered)
+    if agreed is not None:  # a preemption notice: the recovery point that fits its deadline, then the loop ends
+        preemption.take_recovery_point(session, *agreed, plain, ranks, session.num_reports)
     if is_rank0:
-        ranks = tuple(g["stats"] for g in gathered)
         session.reports.put(Report(index=session.num_reports, time=time.time(), metrics=plain, ranks=ranks))
 
 
