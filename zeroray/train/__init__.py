@@ -1,5 +1,5 @@
 """zeroray.train: the Ray layer. Driver side: ZeroTrainer and its configs. Worker side (inside the loop):
-get_context, prepare, report, get_dataset_shard — the same shape as ``ray.train``."""
+get_context, prepare, report, get_dataset_shard, DistributedSampler — the same shape as ``ray.train``."""
 
 from zeroray.train.config import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from zeroray.train.dataset import get_dataset_shard
@@ -12,6 +12,7 @@ from zeroray.train.errors import (
     WorkerFailure,
 )
 from zeroray.train.result import Checkpoint, Result
+from zeroray.train.sampler import DistributedSampler
 from zeroray.train.trainer import ZeroTrainer
 from zeroray.train.worker.context import TrainContext, get_context
 from zeroray.train.worker.preparation import prepare
@@ -36,4 +37,5 @@ __all__ = [
     "prepare",
     "report",
     "get_dataset_shard",
+    "DistributedSampler",
 ]

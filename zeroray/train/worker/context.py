@@ -23,12 +23,11 @@ from zeroray.train.run_spec import RankInfo, RunSpec
 from zeroray.train.sizing import BatchSizes
 
 if TYPE_CHECKING:
-    from ray.data import DataIterator
-
     from zeroray.checkpoint import AsyncSaver
     from zeroray.checkpoint.snapshot import SnapshotStore
     from zeroray.engine import ZeroEngine
     from zeroray.engine.comm import Comm
+    from zeroray.train.dataset import DataShard
 
 
 @dataclass
@@ -112,7 +111,7 @@ class Session:
 
     context: TrainContext
     spec: RunSpec
-    dataset_shards: dict[str, DataIterator]  # this rank's streaming split of each of the trainer's datasets
+    dataset_shards: dict[str, DataShard]  # this rank's part of each of the trainer's datasets
     report_comm: Comm  # over the gloo side group: report barriers, resume choice
     report_callbacks: list[ReportCallback] = field(default_factory=list)
     reports: queue.Queue[Report] = field(default_factory=queue.Queue)  # rank 0's, until the driver polls
@@ -131,6 +130,7 @@ class Session:
     snapshot_group: tuple[str, list[int]] | None = None  # this group's id and its ranks' node ranks
     last_snapshot_step: int | None = None
     resumed: tuple[Literal["memory", "replica", "storage"], int] | None = None  # where zt.prepare's resume came from, and its step
+    stateful: dict[str, Any] = field(default_factory=dict)  # saved with the engine's state (data positions)
 
     @property
     def engine(self) -> ZeroEngine | None:
@@ -143,6 +143,13 @@ class Session:
         # model and engine, reading the checkpoint and the first step (Attempt.phases).
         self._engine = engine
         self.engine_ready_at = time.time() if engine is not None else None
+
+    def register_stateful(self, name: str, obj: Any) -> None:
+        """Save ``obj``'s state with every checkpoint and snapshot (``ZeroEngine.register_stateful``): on the
+        engine now, or on the one ``zt.prepare`` builds, before it resumes."""
+        self.stateful[name] = obj
+        if self._engine is not None:
+            self._engine.register_stateful(name, obj)
 
     @property
     def zero_config(self) -> ConfigArg:
