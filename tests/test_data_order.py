@@ -55,6 +55,8 @@ def test_a_position_saved_at_one_world_size_resumes_at_another():
     order = torch.randperm(N, generator=torch.Generator().manual_seed(SEED + 1))
     full = _global_batches(order, 0, 1, 6, 1)
     assert _global_batches(order, index, 1, 2, 3) == full[2:]  # world 3 goes on with the world-1 run's batches
+    # A run resumed without a saved position (an older checkpoint) counts its steps through the epochs.
+    assert DataPosition("the sampler", lambda: (0, 6), N, SEED, True).start(17, GLOBAL_BATCH) == (3, 12)
 
 
 @pytest.mark.parametrize(("change", "message"), [

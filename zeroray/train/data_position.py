@@ -30,8 +30,15 @@ class DataPosition:
         self.epoch, self.index, self.step = 0, 0, 0
 
     def at(self, step: int, global_batch: int) -> tuple[int, int]:
-        """(epoch, samples of it consumed) at optimizer step ``step``."""
-        return self.epoch, self.index + (step - self.step) * global_batch
+        """(epoch, samples of it consumed) at optimizer step ``step``. A loop re-anchors at every epoch
+        (:meth:`start`), so steps past the anchor's epoch only come from a run resumed without a saved position
+        (an older checkpoint): with a known epoch length they are counted into the epochs that follow."""
+        k, spe = step - self.step, (self.num_samples or 0) // global_batch
+        left = (self.num_samples - self.index) // global_batch if self.num_samples is not None else k
+        if k <= left or spe == 0:
+            return self.epoch, self.index + k * global_batch
+        done, at = divmod(k - left, spe)
+        return self.epoch + 1 + done, at * global_batch
 
     def start(self, step: int, global_batch: int) -> tuple[int, int]:
         """Where an iteration that begins at ``step`` starts: the next epoch once fewer than a global batch
