@@ -17,7 +17,7 @@ import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -35,6 +35,14 @@ from zeroray.engine.sharded_optim import GradShards, OptimizerArg
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
+
+
+class Stateful(Protocol):
+    """What :meth:`ZeroEngine.register_stateful` saves and loads: a small JSON-able state."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 class ZeroEngine:
@@ -98,6 +106,8 @@ class ZeroEngine:
         self._frozen = parts.frozen
         self._param_steps = parts.param_steps
         self._setup_comm = parts.setup_comm
+        self._stateful: dict[str, Stateful] = {}  # small JSON state saved beside the engine's (register_stateful)
+        self._loaded_stateful: dict[str, Any] = {}  # the last load's, for objects registered after it
         for m in model.modules():
             HELD[m] = self
 
@@ -277,11 +287,34 @@ class ZeroEngine:
             out.append(GroupShard(g.name, g.slots, g.numel, g.shard_world, g.shard_rank, g.lo, g.hi, g.param_group, tensors))
         return out
 
+    def register_stateful(self, name: str, obj: Stateful) -> None:
+        """Save ``obj.state_dict()`` (small, JSON-able: e.g. a data loader's position) with every checkpoint and
+        snapshot of this engine, under ``name``, and hand it back to ``obj.load_state_dict`` when one is loaded,
+        before the shards (it raises ValueError on a bad state, so bad data in storage fails before any use).
+        Registered after a load that holds ``name``, ``obj`` is loaded at once. A later object of the same
+        name replaces the earlier one."""
+        self._stateful[name] = obj
+        if name in self._loaded_stateful:
+            obj.load_state_dict(self._loaded_stateful[name])
+
+    def _load_stateful(self, meta: dict[str, Any]) -> None:
+        """The registered objects' states from a loaded ``meta`` (checked first: a JSON object per name)."""
+        saved = meta.get("stateful") or {}
+        if not isinstance(saved, dict) or not all(isinstance(k, str) and isinstance(v, dict) for k, v in saved.items()):
+            raise ValueError("the checkpoint's 'stateful' entry must map names to JSON objects")
+        for name, obj in self._stateful.items():
+            if name in saved:
+                obj.load_state_dict(saved[name])
+        self._loaded_stateful = saved
+
     def state_meta(self) -> dict[str, Any]:
         """JSON-able engine state beside the shards: counters, loss scale, LR scheduler, per param
-        group optimizer scalars (e.g. Adam's step) and hyperparameters."""
+        group optimizer scalars (e.g. Adam's step) and hyperparameters, and the registered objects' states
+        (:meth:`register_stateful`)."""
         scalars = self.optim.scalars()  # per param group, e.g. Adam's step
+        extra = {"stateful": {n: o.state_dict() for n, o in self._stateful.items()}} if self._stateful else {}
         return {
+            **extra,
             "global_step": self.global_step,
             "micro_step": self.micro_step,
             "skipped_steps": self.skipped_steps,
@@ -336,6 +369,7 @@ class ZeroEngine:
         The engine takes ownership of the optimizer-state tensors (no copy when device and dtype
         already fit): hand it tensors nobody else writes to."""
         param_scalars = self._param_scalars(meta)  # checked before anything changes
+        self._load_stateful(meta)
         self.mid_update = True  # until the counters match the loaded state
         with torch.no_grad():
             for g in self.groups:
@@ -357,6 +391,7 @@ class ZeroEngine:
         so host memory stays bounded by the buffer pool (a failed read leaves part of the state
         loaded: load again)."""
         param_scalars = self._param_scalars(meta)  # checked before anything changes
+        self._load_stateful(meta)
         frozen = [g for g in self.groups if not g.trainable]
         weights = {g: torch.empty(g.shard_numel, dtype=torch.float32) for g in frozen}
         self.mid_update = True  # until the counters match the loaded state

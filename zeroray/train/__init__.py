@@ -1,5 +1,6 @@
 """zeroray.train: the Ray layer. Driver side: ZeroTrainer and its configs. Worker side (inside the loop):
-get_context, prepare, report, get_dataset_shard, get_preemption_info — the same shape as ``ray.train``."""
+get_context, prepare, report, get_dataset_shard, DistributedSampler, get_preemption_info — the same shape as
+``ray.train``."""
 
 from zeroray.train.config import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from zeroray.train.dataset import get_dataset_shard
@@ -13,6 +14,7 @@ from zeroray.train.errors import (
 )
 from zeroray.train.preemption import PreemptionInfo
 from zeroray.train.result import Checkpoint, Result
+from zeroray.train.sampler import DistributedSampler
 from zeroray.train.trainer import ZeroTrainer
 from zeroray.train.worker.context import TrainContext, get_context
 from zeroray.train.worker.preemption import get_preemption_info
@@ -40,4 +42,5 @@ __all__ = [
     "report",
     "get_dataset_shard",
     "get_preemption_info",
+    "DistributedSampler",
 ]

@@ -23,12 +23,11 @@ from zeroray.train.run_spec import RankInfo, RunSpec
 from zeroray.train.sizing import BatchSizes
 
 if TYPE_CHECKING:
-    from ray.data import DataIterator
-
     from zeroray.checkpoint import AsyncSaver
     from zeroray.checkpoint.snapshot import SnapshotStore
     from zeroray.engine import ZeroEngine
     from zeroray.engine.comm import Comm
+    from zeroray.train.dataset import DataShard
     from zeroray.train.preemption import PreemptionInfo
 
 
@@ -114,7 +113,7 @@ class Session:
 
     context: TrainContext
     spec: RunSpec
-    dataset_shards: dict[str, DataIterator]  # this rank's streaming split of each of the trainer's datasets
+    dataset_shards: dict[str, DataShard]  # this rank's part of each of the trainer's datasets
     report_comm: Comm  # over the gloo side group: report barriers, resume choice
     report_callbacks: list[ReportCallback] = field(default_factory=list)
     reports: queue.Queue[Report] = field(default_factory=queue.Queue)  # rank 0's, until the driver polls
@@ -136,6 +135,7 @@ class Session:
     preemption: PreemptionInfo | None = None  # the driver's notice (RankActor.mark_preempt): zt.get_preemption_info
     preemption_keeps_ranks: bool = True  # the next group keeps the ranks that stay (their memory can hold a snapshot)
     measured_s: dict[str, float] = field(default_factory=dict)  # seconds of the last "snapshot" / sync "checkpoint"
+    stateful: dict[str, Any] = field(default_factory=dict)  # saved with the engine's state (data positions)
 
     @property
     def engine(self) -> ZeroEngine | None:
@@ -148,6 +148,13 @@ class Session:
         # model and engine, reading the checkpoint and the first step (Attempt.phases).
         self._engine = engine
         self.engine_ready_at = time.time() if engine is not None else None
+
+    def register_stateful(self, name: str, obj: Any) -> None:
+        """Save ``obj``'s state with every checkpoint and snapshot (``ZeroEngine.register_stateful``): on the
+        engine now, or on the one ``zt.prepare`` builds, before it resumes."""
+        self.stateful[name] = obj
+        if self._engine is not None:
+            self._engine.register_stateful(name, obj)
 
     @property
     def zero_config(self) -> ConfigArg:

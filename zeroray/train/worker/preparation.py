@@ -96,6 +96,8 @@ def prepare(
         loaded_keys=loaded_keys,
     )
     session.engine = engine
+    for name, obj in session.stateful.items():  # data positions made before zt.prepare: resumed with the engine
+        engine.register_stateful(name, obj)
     if loaded_keys and session.context.get_world_rank() == 0:
         names = engine.initialized_names
         logger.info("zeroray: initialized %d tensor(s) the pretrained weights lack%s", len(names),
