@@ -617,8 +617,10 @@ def write_report(out: dict[str, Any], path: Path) -> None:
         f"{a['collective_timeout']:g} s, max_failures=-1. {a['minutes']:g} minutes, seed {a['seed']}, an event "
         f"every {a['spacing'][0]:g}-{a['spacing'][1]:g} s; preemption deadline {a['grace']:g} s, cuts of "
         f"{a['cut_for'][0]:g}-{a['cut_for'][1]:g} s, nodes back {a['down_for'][0]:g}-{a['down_for'][1]:g} s "
-        f"after they went. Machine load (1-min load average over the chaos run): median "
-        f"{statistics.median(load):.1f}, max {max(load):.1f} on {os.cpu_count()} cores.", "",
+        f"after they went. Machine load (1-min load average, sampled every 5 s): median "
+        f"{statistics.median(load):.1f}, max {max(load):.1f} over the chaos run"
+        + (f", median {statistics.median(x for _, x in b['load']):.1f} over the undisturbed one" if b else "")
+        + f", on {os.cpu_count()} cores.", "",
     ]
     if c["error"]:
         lines += [f"**The run failed:** {c['error']}", ""]
