@@ -1,7 +1,7 @@
 """Chaos on the emulated multi-node cluster: SIGKILLs, link cuts and preemption notices against an elastic run.
 
     sudo python benchmarks/chaos_bench.py [--minutes 10] [--seed 0] [--label TEXT]
-    sudo python benchmarks/chaos_bench.py --quick            # development: 2 minutes, an event every 20-30 s
+    sudo python benchmarks/chaos_bench.py --quick            # development: 2 minutes, an event every 18-24 s
 
 The cluster (tests/support/netcluster.py): a head namespace without CPUs (GCS and the driver) and ``--nodes``
 worker namespaces of one CPU each, joined by a bridge, each a Ray node with its own address. ZeroTrainer runs
