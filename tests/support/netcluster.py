@@ -441,6 +441,20 @@ class RayCluster:
                             timeout_s=timeout_s)
 
 
+def _ray_env(env: Mapping[str, str] | None) -> dict[str, str]:
+    # Nothing of the machine's own Ray set-up: no RAY_ADDRESS, no token (a ~/.ray/auth_token would turn
+    # token auth on for the head alone). The emulated network is private to this run.
+    ray_env = {k: v for k, v in python_env().items() if k != "RAY_ADDRESS" and not k.startswith("RAY_AUTH")}
+    ray_env.update({"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", **(env or {})})
+    return ray_env
+
+
+def _ray_start(node: Node, num_cpus: int, object_store_mb: int) -> list[str]:
+    ray = str(Path(sys.executable).with_name("ray"))
+    return [ray, "start", f"--node-ip-address={node.ip}", f"--num-cpus={num_cpus}", "--num-gpus=0",
+            f"--object-store-memory={object_store_mb * 2**20}", "--disable-usage-stats"]
+
+
 def start_ray(net: NetCluster, nodes: Sequence[Node] | None = None, *, num_cpus: int = 1,
               object_store_mb: int = 100, env: Mapping[str, str] | None = None,
               timeout_s: float = 180.0) -> RayCluster:
@@ -450,18 +464,21 @@ def start_ray(net: NetCluster, nodes: Sequence[Node] | None = None, *, num_cpus:
     ``ray start`` may return before a worker node has registered: a driver waits until ``ray.nodes()``
     lists them all."""
     nodes = tuple(nodes or net.nodes)
-    ray = str(Path(sys.executable).with_name("ray"))
-    # Nothing of the machine's own Ray set-up: no RAY_ADDRESS, no token (a ~/.ray/auth_token would turn
-    # token auth on for the head alone). The emulated network is private to this run.
-    ray_env = {k: v for k, v in python_env().items() if k != "RAY_ADDRESS" and not k.startswith("RAY_AUTH")}
-    ray_env.update({"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", **(env or {})})
+    ray_env = _ray_env(env)
     address = f"{nodes[0].ip}:{RAY_GCS_PORT}"
-    for i, node in enumerate(nodes):
-        argv = [ray, "start", f"--node-ip-address={node.ip}", f"--num-cpus={num_cpus}", "--num-gpus=0",
-                f"--object-store-memory={object_store_mb * 2**20}", "--disable-usage-stats"]
-        if i == 0:
-            argv += ["--head", f"--port={RAY_GCS_PORT}", "--include-dashboard=false", f"--temp-dir={net.scratch / 'ray'}"]
-        else:
-            argv += [f"--address={address}"]
-        net.run(node, argv, env=ray_env, timeout_s=timeout_s)
-    return RayCluster(net, nodes, address, ray_env)
+    net.run(nodes[0], _ray_start(nodes[0], num_cpus, object_store_mb)
+            + ["--head", f"--port={RAY_GCS_PORT}", "--include-dashboard=false", f"--temp-dir={net.scratch / 'ray'}"],
+            env=ray_env, timeout_s=timeout_s)
+    cluster = RayCluster(net, nodes, address, ray_env)
+    for node in nodes[1:]:
+        join_ray(cluster, node, num_cpus=num_cpus, object_store_mb=object_store_mb, timeout_s=timeout_s)
+    return cluster
+
+
+def join_ray(cluster: RayCluster, node: Node, *, num_cpus: int = 1, object_store_mb: int = 100,
+             timeout_s: float = 180.0) -> None:
+    """Start a Ray worker node inside ``node``, joined to ``cluster``'s head with the cluster's environment: a
+    node added later, or a lost one coming back as a new Ray node (kill what is left in its namespace first,
+    ``net.kill(node)``: an old raylet there would hold its ports)."""
+    cluster.net.run(node, _ray_start(node, num_cpus, object_store_mb) + [f"--address={cluster.address}"],
+                    env=cluster.env, timeout_s=timeout_s)
