@@ -81,11 +81,11 @@ def _loop(config: dict) -> None:
         if micro != 0 or ctx.get_world_size() != 4 or engine.global_step + 1 != CUT_STEP:
             return
         (control / f"held-{ctx.get_world_rank()}").write_text(str(os.getpid()))
+        while not (control / "cut").exists():
+            time.sleep(0.05)
         if not cut_off:
             zt.report({"held": engine.global_step})  # waits for the cut-off ranks, which never come
             return
-        while not (control / "cut").exists():
-            time.sleep(0.05)
         _stale_rank(control, engine, ctx)
 
     while engine.global_step < STEPS:
@@ -101,7 +101,14 @@ def _drive(out: Path) -> None:
     """The driver, inside the head's namespace: the elastic fit and what it recorded."""
     import ray
 
-    from zeroray.train import FailureConfig, RunConfig, ScalingConfig, ZeroTrainer
+    from zeroray.train import ControllerCallback, FailureConfig, RunConfig, ScalingConfig, ZeroTrainer
+
+    class Reported(ControllerCallback):
+        """Tells the test which steps the driver has heard of (a report rank 0 queued is lost with its node)."""
+
+        def after_report(self, report: object, entry: dict) -> None:
+            if "step" in entry:
+                (out / "control" / f"reported-{entry['step']}").write_text("")
 
     ray.init()
     deadline = time.monotonic() + 60
@@ -115,7 +122,7 @@ def _drive(out: Path) -> None:
         zero_config=zeroray.ZeroConfig(stage=2, train_batch_size=elastic.GLOBAL_BATCH,
                                        train_micro_batch_size_per_gpu=elastic.MICRO),
         scaling_config=ScalingConfig(num_workers=(2, 4), elastic_resize_monitor_interval_s=3600.0),
-        run_config=RunConfig(name="partition", storage_path=str(out / "runs"), progress_bar=False,
+        run_config=RunConfig(name="partition", storage_path=str(out / "runs"), progress_bar=False, callbacks=[Reported()],
                              failure_config=FailureConfig(max_failures=1, collective_timeout_s=COLLECTIVE_S,
                                                           worker_heartbeat_timeout_s=HEARTBEAT_S)),
     ).fit()
@@ -156,6 +163,7 @@ def test_a_cut_off_node_is_fenced_and_stops_itself(tmp_path: Path) -> None:
                                env={**cluster.env, "RAY_ADDRESS": cluster.address}, stdout=log, stderr=subprocess.STDOUT)
             try:
                 _wait("ranks held in step 4", lambda: len(list(control.glob("held-*"))) == 4, driver, 180)
+                _wait("the driver's record of step 3", (control / f"reported-{CUT_STEP - 1}").exists, driver, 30)
                 cut_at = time.time()
                 net.partition(other)
                 (control / "cut").write_text("")
