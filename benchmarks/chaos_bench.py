@@ -349,19 +349,11 @@ class Injector:
                  lambda: self._background(lambda: self._rejoin(node, event)))
 
     def _rejoin(self, node: Node, event: dict[str, Any]) -> None:
-        """A fresh Ray node in the namespace (what is left there is killed first). A start that Ray's fixed
-        startup window missed on a busy machine is tried again, twice, as a node supervisor would."""
+        """A fresh Ray node in the namespace (what is left there is killed first; ``join_ray`` tries a start
+        that missed Ray's startup window again)."""
+        self.net.kill(node)
         t = time.time()
-        for attempt in range(3):
-            self.net.kill(node)
-            try:
-                join_ray(self.cluster, node, num_cpus=1, object_store_mb=self.args.object_store_mb)
-                break
-            except Exception as e:  # noqa: BLE001 -- logged; the node stays down after the last try
-                print(f"[chaos] node {node.index} join try {attempt + 1} failed: {str(e).splitlines()[-1:]}",
-                      flush=True)
-        else:
-            return
+        join_ray(self.cluster, node, num_cpus=1, object_store_mb=self.args.object_store_mb)
         self.state[node.index] = "up"
         self.joins.append({"node": node.index, "t": t, "joined": time.time(), "after": event["kind"]})
 
