@@ -11,7 +11,10 @@ ever holds whole.
 2. Each rank builds the model on the meta device (no memory), ``zt.prepare`` allocates only the rank's
    stage-3 shards, unit by unit, and loads the pretrained weights into them: each rank reads only the
    byte ranges of the safetensors file that its shards hold.
-3. A few fine-tuning steps on examples/data/corpus.txt, a sharded checkpoint at the end.
+3. A few fine-tuning steps on examples/data/corpus.txt, a map-style dataset of windows read through a torch
+   ``DataLoader`` with ``zt.DistributedSampler`` (each rank its part of every step's global batch; the
+   position is saved with the checkpoint, so a restarted or resized run takes the same windows in the
+   same steps); a sharded checkpoint at the end.
 4. ``zeroray export`` turns the checkpoint into safetensors plus ``config.json``, and
    ``from_pretrained`` loads it with no extra step: its loss on a held-out batch equals the engine's.
 """
@@ -55,16 +58,26 @@ def make_pretrained(out_dir: Path, args: argparse.Namespace) -> None:
     LlamaForCausalLM(config).save_pretrained(out_dir)
 
 
-def batches(data: torch.Tensor, batch: int, block: int, gen: torch.Generator) -> torch.Tensor:
-    """Random windows of ``block`` bytes (the model shifts the labels itself)."""
-    ix = torch.randint(len(data) - block, (batch,), generator=gen)
-    return torch.stack([data[i : i + block] for i in ix]).long()
+class Windows(torch.utils.data.Dataset):
+    """A map-style dataset: the text's windows of ``block`` bytes, one every ``block // 2`` (the model shifts
+    the labels itself)."""
+
+    def __init__(self, data: torch.Tensor, block: int) -> None:
+        self.data, self.block = data, block
+        self.starts = range(0, len(data) - block + 1, max(1, block // 2))
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.data[self.starts[i] : self.starts[i] + self.block].long()
 
 
 def held_out(text: bytes, batch: int, block: int) -> torch.Tensor:
-    """The same validation windows for the engine and for the reloaded export."""
-    data = torch.frombuffer(bytearray(text), dtype=torch.uint8)
-    return batches(data[-len(data) // 10 :], batch, block, torch.Generator().manual_seed(7))
+    """The same validation windows for the engine and for the reloaded export: random ones of the last tenth."""
+    data = torch.frombuffer(bytearray(text), dtype=torch.uint8)[-len(text) // 10 :]
+    ix = torch.randint(len(data) - block, (batch,), generator=torch.Generator().manual_seed(7))
+    return torch.stack([data[i : i + block] for i in ix]).long()
 
 
 def train_loop(config: dict[str, Any]) -> None:
@@ -82,22 +95,27 @@ def train_loop(config: dict[str, Any]) -> None:
     device = ctx.get_device()
 
     data = torch.frombuffer(bytearray(config["text"]), dtype=torch.uint8)
-    train_data = data[: -len(data) // 10]
-    gen = torch.Generator().manual_seed(1000 + ctx.get_world_rank())
+    train = Windows(data[: -len(data) // 10], config["block"])
+    # This rank's windows of each step's global batch, shuffled per epoch; its position is saved with the
+    # checkpoints, so a restarted or resized run goes on with the same windows in the same steps.
+    loader = torch.utils.data.DataLoader(train, batch_size=config["batch"], sampler=zt.DistributedSampler(train))
     val = held_out(config["text"], config["batch"], config["block"]).to(device)
     while engine.global_step < config["steps"]:
-        x = batches(train_data, config["batch"], config["block"], gen).to(device)
-        loss = engine(input_ids=x, labels=x).loss
-        engine.backward(loss)
-        engine.step()
-        last = engine.global_step == config["steps"]
-        metrics = {"loss": loss.item()}
-        if last or engine.global_step == 1:
-            model.eval()
-            with torch.no_grad():
-                metrics["val_loss"] = engine(input_ids=val, labels=val).loss.item()
-            model.train()
-        zt.report(metrics, checkpoint=last)
+        for x in loader:  # the rest of this epoch
+            x = x.to(device)
+            loss = engine(input_ids=x, labels=x).loss
+            engine.backward(loss)
+            engine.step()
+            last = engine.global_step == config["steps"]
+            metrics = {"loss": loss.item()}
+            if last or engine.global_step == 1:
+                model.eval()
+                with torch.no_grad():
+                    metrics["val_loss"] = engine(input_ids=val, labels=val).loss.item()
+                model.train()
+            zt.report(metrics, checkpoint=last)
+            if last:
+                break
 
 
 def main() -> None:

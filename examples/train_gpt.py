@@ -6,11 +6,13 @@
     python examples/train_gpt.py --deepspeed-config ds_config.json --storage-path s3://bucket/runs
 
 A byte-level GPT (about 3M parameters) learns examples/data/corpus.txt, a synthetic text shipped with
-the repo (examples/data/make_corpus.py rewrites it; --data takes any text file). Each rank samples
-its own random windows (an elastic run takes the windows of its global sample indices instead, so a
-resized run sees the same samples in the same steps); the loss falls within a couple of minutes on a
-2-core laptop. At the end the
-script prints a sample from the model and each rank's memory by category.
+the repo (examples/data/make_corpus.py rewrites it; --data takes any text file). The data arrives as a
+Ray user's would: the text is cut once into a Parquet file of windows at random offsets (pyarrow, under
+the temp dir, reused after), read into a Ray Dataset and passed as ``datasets={"train": ...}``; each rank
+iterates ``zt.get_dataset_shard("train")``, whose position is saved with the checkpoints, so a run
+resumed after a failure or resized takes the same windows in the same steps. The loss falls within a
+couple of minutes on a 2-core laptop. At the end the script prints a sample from the model and each
+rank's memory by category.
 
 A DeepSpeed config is run as written: its "auto" values are resolved here, before the run, as Hugging
 Face's Trainer does from its flags (--lr, this script's AdamW betas, eps and weight decay; the GPT's
@@ -23,14 +25,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import logging
 import math
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, NoReturn
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import torch
 
 try:
@@ -58,12 +65,22 @@ def get_batch(data: torch.Tensor, batch: int, block: int, gen: torch.Generator) 
     return x.long(), y.long()
 
 
-def windows_at(data: torch.Tensor, indices: range, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The windows of global sample indices (elastic runs): sample i always starts at the same place."""
-    starts = [(i * 2654435761) % (len(data) - block - 1) for i in indices]  # Knuth's multiplicative hash
-    x = torch.stack([data[s : s + block] for s in starts])
-    y = torch.stack([data[s + 1 : s + 1 + block] for s in starts])
-    return x.long(), y.long()
+def windows_parquet(text: bytes, block: int) -> Path:
+    """The training text as a Parquet file of ``block + 1``-byte windows (inputs and next-byte targets) at
+    seeded random offsets, as many as there are ``block // 2`` bytes: the form a Ray user's data arrives in.
+    Written once per text and block under the temp dir, then reused."""
+    digest = hashlib.sha256(text).hexdigest()[:16]
+    path = Path(tempfile.gettempdir()) / "zeroray_data" / f"windows-{digest}-block{block}.parquet"
+    if not path.exists():
+        data = np.frombuffer(text, dtype=np.uint8)
+        starts = np.random.default_rng(1337).integers(0, len(data) - block, (len(data) - block) // max(1, block // 2))
+        windows = data[starts[:, None] + np.arange(block + 1)]
+        table = pa.table({"window": pa.FixedSizeListArray.from_arrays(pa.array(windows.ravel()), block + 1)})
+        path.parent.mkdir(parents=True, exist_ok=True)
+        part = path.with_name(f"{path.name}.{os.getpid()}.part")  # written whole, then renamed: no torn file
+        pq.write_table(table, part)
+        os.replace(part, path)
+    return path
 
 
 def lr_at(step: int, cfg: dict[str, Any]) -> float:
@@ -100,9 +117,7 @@ def sample(engine: Any, prompt: bytes, n: int, block: int, device: torch.device)
 def train_loop(config: dict[str, Any]) -> None:
     """Runs on every rank (one Ray actor each)."""
     ctx = zt.get_context()
-    data = torch.frombuffer(bytearray(config["text"]), dtype=torch.uint8)
-    n_val = len(data) // 10
-    train_data, val_data = data[:-n_val], data[-n_val:]
+    val_data = torch.frombuffer(bytearray(config["val_text"]), dtype=torch.uint8)
 
     torch.manual_seed(1337)  # same initial weights on every rank
     model = GPT(gpt_config(config))
@@ -113,36 +128,36 @@ def train_loop(config: dict[str, Any]) -> None:
         print(f"GPT with {model.num_params() / 1e6:.2f}M parameters, ZeRO stage {engine.stage}, "
               f"{ctx.get_world_size()} ranks")
 
-    gen = torch.Generator().manual_seed(1000 + ctx.get_world_rank())  # each rank its own windows
+    # This rank's micro-batches of each step's global batch, from where the run is (saved with the checkpoints).
+    shard = zt.get_dataset_shard("train")
     val_gen = torch.Generator().manual_seed(7)  # the same validation windows on every rank
-    batch, block = config["batch"], config["block"]
     while engine.global_step < config["steps"]:
-        step = engine.global_step
-        if not config["config_schedule"]:  # else the config's schedule, stepped by the engine
-            for group in engine.optimizer.param_groups:
-                group["lr"] = lr_at(step, config)
-        lr = engine.optimizer.param_groups[0]["lr"]  # the one this step uses
-        if config["elastic"]:  # this group's share of the step's global batch
-            x, y = windows_at(train_data, ctx.sample_indices(step, engine.micro_step % engine.gradient_accumulation_steps), block)
-        else:
-            x, y = get_batch(train_data, batch, block, gen)
-        _, loss = engine(x.to(device), y.to(device))
-        engine.backward(loss)
-        engine.step()
-        if engine.global_step == step:  # inside a gradient-accumulation cycle
-            continue
-        metrics = {"loss": loss.item(), "lr": lr}
-        evaluate = engine.global_step % config["eval_every"] == 0 or engine.global_step == config["steps"]
-        if evaluate:
-            model.eval()
-            with torch.no_grad():
-                xv, yv = get_batch(val_data, batch, block, val_gen)
-                metrics["val_loss"] = engine(xv.to(device), yv.to(device))[1].item()
-            model.train()
-        zt.report(metrics, checkpoint=evaluate)  # every rank writes its shard; rerun with --name to resume
+        for batch in shard.iter_torch_batches():  # the rest of this pass over the windows
+            step = engine.global_step
+            if not config["config_schedule"]:  # else the config's schedule, stepped by the engine
+                for group in engine.optimizer.param_groups:
+                    group["lr"] = lr_at(step, config)
+            lr = engine.optimizer.param_groups[0]["lr"]  # the one this step uses
+            window = batch["window"].long().to(device)
+            _, loss = engine(window[:, :-1], window[:, 1:])
+            engine.backward(loss)
+            engine.step()
+            if engine.global_step == step:  # inside a gradient-accumulation cycle
+                continue
+            metrics = {"loss": loss.item(), "lr": lr}
+            evaluate = engine.global_step % config["eval_every"] == 0 or engine.global_step == config["steps"]
+            if evaluate:
+                model.eval()
+                with torch.no_grad():
+                    xv, yv = get_batch(val_data, config["batch"], config["block"], val_gen)
+                    metrics["val_loss"] = engine(xv.to(device), yv.to(device))[1].item()
+                model.train()
+            zt.report(metrics, checkpoint=evaluate)  # every rank writes its shard; rerun with --name to resume
+            if engine.global_step == config["steps"]:
+                break
 
     model.eval()
-    text = sample(engine, b"Ada ", 160, block, device)
+    text = sample(engine, b"Ada ", 160, config["block"], device)
     zt.report({"sample": text})
 
 
@@ -241,28 +256,29 @@ def main() -> None:
         gpt_config(model_cfg)
         zero = zero_config(args, model_cfg, elastic, hi)
         micro = args.batch if elastic else zero.resolve_batch(lo).train_micro_batch_size_per_gpu or args.batch
+        n_val = len(text) // 10
+        windows = windows_parquet(text[:-n_val], args.block)  # before Ray: a bad --data fails here
+        rows = pq.read_metadata(windows).num_rows
+        global_batch = zero.resolve_batch(hi).train_batch_size
+        if rows < global_batch:
+            raise ValueError(f"--data {args.data} makes {rows} windows of --block {args.block}, fewer than one "
+                             f"global batch of {global_batch}")
         name = args.name or "gpt-" + time.strftime("%Y%m%d-%H%M%S")
-        trainer = ZeroTrainer(
-            train_loop,
-            train_loop_config={
-                "text": text, "steps": args.steps, "batch": micro, **model_cfg, "lr": args.lr,
-                "warmup": max(1, args.steps // 15), "eval_every": max(1, args.steps // 6), "elastic": elastic,
-                "config_optimizer": zero.optimizer is not None, "config_schedule": zero.scheduler is not None,
-            },
-            zero_config=zero,
-            scaling_config=ScalingConfig(num_workers=(lo, hi) if elastic else lo, use_gpu=args.use_gpu,
-                                         elastic_resize_monitor_interval_s=args.resize_check),
-            run_config=RunConfig(
-                name=name,
-                storage_path=args.storage_path,
-                failure_config=FailureConfig(max_failures=args.max_failures),
-                checkpoint_config=CheckpointConfig(num_to_keep=2),
-            ),
-        )
+        loop_config = {
+            "val_text": text[-n_val:], "steps": args.steps, "batch": micro, **model_cfg, "lr": args.lr,
+            "warmup": max(1, args.steps // 15), "eval_every": max(1, args.steps // 6),
+            "config_optimizer": zero.optimizer is not None, "config_schedule": zero.scheduler is not None,
+        }
+        scaling = ScalingConfig(num_workers=(lo, hi) if elastic else lo, use_gpu=args.use_gpu,
+                                elastic_resize_monitor_interval_s=args.resize_check)
+        run_config = RunConfig(name=name, storage_path=args.storage_path,
+                               failure_config=FailureConfig(max_failures=args.max_failures),
+                               checkpoint_config=CheckpointConfig(num_to_keep=2))
         RunStorage(args.storage_path, name).validate(processes=hi + 1)  # every rank, and this driver
     except (OSError, ValueError, TypeError, StorageError) as e:
         fail(p, e)
-    logging.getLogger("zeroray").info("%s", describe(zero, args))
+    logging.getLogger("zeroray").info("%s; data: %d windows of %d bytes in %s", describe(zero, args), rows,
+                                      args.block + 1, windows)
 
     from zeroray.train.driver.cluster import (  # imports Ray: only once everything is checked
         ensure_ray,
@@ -277,6 +293,15 @@ def main() -> None:
         p.error(f"--workers {lo} needs {lo} CPUs (one per rank) but the Ray cluster started "
                 f"here has {cpus:g}: pass --num-cpus {lo} to share the cores (slower), or fewer --workers")
 
+    # Read here and handed to Ray Data as Arrow: no Ray Data read task holds a CPU that the ranks are sized by.
+    dataset = ray.data.from_arrow(pq.read_table(windows))
+    dataset.context.execution_options.preserve_order = True  # exact resume: every rank streams the file's order
+    dataset.context.enable_progress_bars = dataset.context.print_on_execution_start = False  # zeroray's lines only
+    try:
+        trainer = ZeroTrainer(train_loop, train_loop_config=loop_config, zero_config=zero, scaling_config=scaling,
+                              run_config=run_config, datasets={"train": dataset})
+    except (ValueError, TypeError) as e:
+        fail(p, e)
     result = trainer.fit()
 
     history = [h for h in result.metrics_history if "loss" in h]
