@@ -358,21 +358,10 @@ class Controller:
                 return following
         self.group.request_recovery_point()
         wait_s = max(RECOVERY_POINT_WAIT_S, self.spec.collective_timeout_s)
-        deadline = time.monotonic() + wait_s
-        while True:
-            status = self._poll_group(POLL_INTERVAL_S)
-            if status.failures:
-                return self._on_failure(self._collect_failures(status.failures))
-            if status.all_stopped:
-                break
-            if status.finished:
-                self._end_attempt("finished")
-                return S.Finished()
-            if time.monotonic() > deadline:
-                logger.warning("zeroray: the ranks reached no recovery point (zt.report) in %.0fs: resizing from the "
-                               "newest checkpoint", wait_s)
-                break
-            time.sleep(POLL_INTERVAL_S)
+        status = self._await_recovery_point(wait_s, f"zeroray: the ranks reached no recovery point (zt.report) in "
+                                                    f"{wait_s:.0f}s: resizing from the newest checkpoint")
+        if isinstance(status, S.ControllerState):
+            return status
         if status.stopped_at is not None and self.attempt_history:
             self.attempt_history[-1].last_step = status.stopped_at
         self._end_attempt("resize_up" if state.decision.num_workers > size else "resize_down",
@@ -399,22 +388,11 @@ class Controller:
                        "with no deadline" if remaining is None else f"in {remaining:.1f}s")
         self.group.mark_preempt(info, keeps_ranks)
         wait_s = RECOVERY_POINT_WAIT_S if remaining is None else max(remaining, 0.0) + PREEMPTION_STOP_SLACK_S
-        deadline = time.monotonic() + wait_s
-        while True:
-            status = self._poll_group(POLL_INTERVAL_S)
-            if status.failures:
-                return self._on_failure(self._collect_failures(status.failures))
-            if status.all_stopped:
-                break
-            if status.finished:
-                self._end_attempt("finished")
-                return S.Finished()
-            if time.monotonic() > deadline:
-                logger.warning("zeroray: the ranks reached no zt.report within %.0fs of the preemption notice; the "
-                               "group goes on without the leaving ranks from the newest recovery point, as after a "
-                               "crash", wait_s)
-                break
-            time.sleep(POLL_INTERVAL_S)
+        status = self._await_recovery_point(
+            wait_s, f"zeroray: the ranks reached no zt.report within {wait_s:.0f}s of the preemption notice; the group "
+                    "goes on without the leaving ranks from the newest recovery point, as after a crash")
+        if isinstance(status, S.ControllerState):
+            return status
         later = merge(*status.sigterms)  # a SIGTERM that came meanwhile: that rank leaves too
         self._leaving |= set(later.preempted_ranks) if later is not None else set()
         if status.stopped_at is not None and self.attempt_history:
@@ -455,6 +433,25 @@ class Controller:
         self._spares = spares.slots
         self._prestart_s = time.monotonic() - start
         return None
+
+    def _await_recovery_point(self, wait_s: float, late: str) -> PollStatus | S.ControllerState:
+        """Poll until every rank has stopped at its recovery point (its next zt.report) and return the last poll;
+        a failure or the loop's end returns the next state instead. After ``wait_s`` it logs ``late`` and
+        returns the last poll."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            status = self._poll_group(POLL_INTERVAL_S)
+            if status.failures:
+                return self._on_failure(self._collect_failures(status.failures))
+            if status.all_stopped:
+                return status
+            if status.finished:
+                self._end_attempt("finished")
+                return S.Finished()
+            if time.monotonic() > deadline:
+                logger.warning("%s", late)
+                return status
+            time.sleep(POLL_INTERVAL_S)
 
     def _poll_group(self, timeout_s: float) -> PollStatus:
         """One poll of the group; its reports go to the callbacks, rank 0's start-up timings to the attempt."""
