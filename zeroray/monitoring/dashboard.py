@@ -144,7 +144,7 @@ ROWS: tuple[Row, ...] = (
               _q(f"sum by (tier, direction) ({sel(M.OFFLOAD_BANDWIDTH)})", "{{tier}} {{direction}}"), unit="Bps"),
     )),
     Row("Controller and cluster", (
-        Panel("Controller state", "The driver's controller: SCHEDULING, RUNNING, RESTARTING, RESIZING, and "
+        Panel("Controller state", "The driver's controller: SCHEDULING, RUNNING, RESTARTING, RESIZING, PREEMPTING, and "
               "at the end FINISHED, ERRORED or ABORTED.",
               _q(f"max by (state) ({sel(M.CONTROLLER_STATE)}) == 1", "{{state}}"), kind="stat"),
         Panel("World size", "Ranks in the current worker group.",
