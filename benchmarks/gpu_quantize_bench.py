@@ -42,6 +42,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.gpu_offload_bench import _cuda_time  # noqa: E402  (median seconds by CUDA events)
 from zeroray.engine.quantize import BlockQuantizer, QuantizeKernels  # noqa: E402
 
 BLOCKS = (64, 128, 256, 512, 1024, 2048)
@@ -53,15 +54,7 @@ def cuda_time(fn: Callable[[], Any], reps: int = 10) -> float:
     """Median seconds of ``fn`` on the current stream, after two warm-up calls."""
     for _ in range(2):
         fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
+    return _cuda_time(fn, reps)
 
 
 def bandwidth(numel: int) -> float:
