@@ -105,14 +105,8 @@ def _host(out: Path, recovery: str) -> None:
     """The cluster's own process: a head without CPUs and two one-CPU nodes; the driver in a subprocess; a third
     node added when the group of 2 holds, removed without warning when the group of 3 holds; then teardown.
     Writes out/host.json (the removed node and when) and the driver's output to out/driver.log."""
-    import ray._private.utils
-    from ray.cluster_utils import Cluster
-
-    ray._private.utils.write_ray_address = lambda *a, **k: None  # no other ray.init() on the machine joins it
-    cluster = Cluster(initialize_head=True, connect=False,
-                      head_node_args={"num_cpus": 0, "include_dashboard": False, "_system_config": HEALTH_CHECK_CONFIG})
     control = out / "control"
-    try:
+    with elastic.host_cluster(_system_config=HEALTH_CHECK_CONFIG) as cluster:
         for _ in range(2):
             cluster.add_node(num_cpus=1)
         with open(out / "driver.log", "w") as log:
@@ -132,10 +126,6 @@ def _host(out: Path, recovery: str) -> None:
                 if proc.poll() is None:
                     proc.kill()
                     proc.wait(timeout=30)
-    finally:
-        for node in list(cluster.worker_nodes):
-            cluster.remove_node(node, allow_graceful=False)
-        cluster.remove_node(cluster.head_node, allow_graceful=False)
 
 
 # Storage recovery (the default) is what the other elastic and trainer tests restart from; across real nodes

@@ -104,20 +104,8 @@ def _drive(address: str, out: Path) -> None:
 
 def _host(out: Path) -> None:
     """A head without CPUs and three one-CPU nodes; the driver in a subprocess; the notices when each run holds."""
-    import ray._private.utils
-    from ray.cluster_utils import Cluster
-
-    ray._private.utils.write_ray_address = lambda *a, **k: None  # no other ray.init() on the machine joins it
-    for attempt in range(3):
-        try:
-            cluster = Cluster(initialize_head=True, connect=False,
-                              head_node_args={"num_cpus": 0, "include_dashboard": False})
-            break
-        except Exception as e:  # Ray gives its raylet a fixed 30 s to register; a swamped machine can miss it
-            if "timed out during startup" not in str(e) or attempt == 2:
-                raise
     control, sent = out / "control", {}
-    try:
+    with elastic.host_cluster() as cluster:
         for _ in range(3):
             cluster.add_node(num_cpus=1)
         with open(out / "driver.log", "w") as log:
@@ -143,10 +131,6 @@ def _host(out: Path) -> None:
                 if proc.poll() is None:
                     proc.kill()
                     proc.wait(timeout=30)
-    finally:
-        for node in list(cluster.worker_nodes):
-            cluster.remove_node(node, allow_graceful=False)
-        cluster.remove_node(cluster.head_node, allow_graceful=False)
 
 
 def _summary(run: dict) -> list[tuple]:

@@ -5,9 +5,10 @@ in the same steps), the single-process reference such a run must match, and the 
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -118,6 +119,32 @@ def left_behind(run: str, timeout_s: float = 30.0) -> dict[str, list[str]]:
         if (not actors and not pgs) or time.monotonic() > deadline:
             return {"actors": [str(a) for a in actors], "pgs": [p["name"] for p in pgs]}
         time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def host_cluster(**head_args: Any) -> Iterator[Any]:
+    """In the test's host process: a ``ray.cluster_utils.Cluster`` whose head has no CPUs (plus ``head_args``),
+    not connected and not written as this machine's Ray address, so no other ``ray.init()`` joins it; torn down
+    after, every node removed at once. A start that missed Ray's fixed 30 s raylet window on a swamped machine
+    is tried again, twice."""
+    import ray._private.utils
+    from ray.cluster_utils import Cluster
+
+    ray._private.utils.write_ray_address = lambda *a, **k: None
+    for attempt in range(3):
+        try:
+            cluster = Cluster(initialize_head=True, connect=False,
+                              head_node_args={"num_cpus": 0, "include_dashboard": False, **head_args})
+            break
+        except Exception as e:
+            if "timed out during startup" not in str(e) or attempt == 2:
+                raise
+    try:
+        yield cluster
+    finally:
+        for node in list(cluster.worker_nodes):
+            cluster.remove_node(node, allow_graceful=False)
+        cluster.remove_node(cluster.head_node, allow_graceful=False)
 
 
 def drive_and_kill(cluster: Any, argv: list[str], log: Path, held: Path, timeout_s: float,
