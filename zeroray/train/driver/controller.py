@@ -82,13 +82,13 @@ RECOVERY_POINT_WAIT_S = 120.0
 # leaving ranks anyway (the node may outlive its deadline a little; a notice without deadline waits
 # RECOVERY_POINT_WAIT_S).
 PREEMPTION_STOP_SLACK_S = 5.0
-# How long the surviving ranks of a failed group get to see their collectives fail and leave their loop before
-# they are killed instead of kept. A rank whose peer died fails at once (the socket closes); one waiting in a
-# collective on a live peer that already gave up on it waits for collective_timeout_s (gloo cannot abort a
-# collective, and the peer's queued async operations keep its sockets open), so waiting longer rarely helps.
+# How long the surviving ranks of a failed group get to leave their loop before they are killed instead of
+# kept. A rank whose peer died fails at once (the socket closes); one still waiting in a collective on a peer that
+# is alive but unreachable (a cut link) or stopped has its group's connections shut by the release
+# (group/group_sockets.py: gloo cannot abort a collective), so its collective fails at once too: the wait
+# covers the loop's way out (leaving the group, keeping its state for the next one).
 SURVIVOR_RELEASE_S = 3.0
-# After a hung rank: it is killed only now, and its peers see its sockets close only once its process is gone
-# (a SIGSTOPped process dies a few seconds after Ray reports the actor dead), so they get longer.
+# After a hung rank: the same, with room for a survivor whose loop was busy in user code when the group ended.
 SURVIVOR_RELEASE_AFTER_HANG_S = 10.0
 # How long the ranks a grow adds may take to be placed and started (while the group trains) before the grow is
 # dropped until the policy's next check.

@@ -37,6 +37,7 @@ from zeroray.checkpoint.snapshot import SnapshotStore
 from zeroray.engine import Comm, import_before_group
 from zeroray.train.errors import WorkerFailure, is_collective_error, is_collective_timeout
 from zeroray.train.group import rendezvous
+from zeroray.train.group.group_sockets import GroupSockets
 from zeroray.train.group.poll import PollAnswer
 from zeroray.train.group.priority import threads_niceness, to_normal_priority
 from zeroray.train.preemption import PreemptionInfo
@@ -90,6 +91,7 @@ class RankActor:
         # a failed hybrid group left (recovery from replicas): kept from one group to the next, so a restarted group
         # recovers from its ranks' memory.
         self.snapshots = SnapshotStore()
+        self.sockets = GroupSockets()  # this group's connections, to cut a failed group's loop loose (release)
         self._contact = time.monotonic()  # the driver's last call (a poll, a release)
         self._orphan_s: float | None = None  # this group's orphan timeout (None: no watchdog)
         self._clear_loop()
@@ -161,8 +163,9 @@ class RankActor:
         device = torch.device("cuda", 0) if self.use_gpu else torch.device("cpu")
         if self.use_gpu:
             torch.cuda.set_device(device)  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU(s)
-        report_group = rendezvous.init_process_group(master_addr, master_port, info, spec.backend,
-                                                     spec.collective_timeout_s)
+        with self.sockets.recording():
+            report_group = rendezvous.init_process_group(master_addr, master_port, info, spec.backend,
+                                                         spec.collective_timeout_s)
         from zeroray.train.worker.context import Session, TrainContext, set_session
         from zeroray.train.worker.metrics import RankMetrics
 
@@ -173,7 +176,7 @@ class RankActor:
             pass
         ctx = TrainContext(self.info, spec.name, spec.storage_path, device, spec.run_url, batch=batch, epoch=epoch)
         self.session = Session(ctx, spec, dataset_shards, Comm(report_group), report_callbacks=callbacks,
-                               elastic=elastic, snapshots=self.snapshots)
+                               elastic=elastic, snapshots=self.snapshots, group_sockets=self.sockets)
         if elastic:
             from zeroray.train.worker.recovery import RecoveryPointCallback
 
@@ -270,6 +273,10 @@ class RankActor:
         self._contact = time.monotonic()
         deadline = time.monotonic() + timeout_s
         if self.thread is not None:
+            if self.thread.is_alive():  # the group is over: a collective waiting on an unreachable peer fails now
+                if shut := self.sockets.sever():
+                    print(f"zeroray: {self!r}: the group ended while its loop ran; shut its {shut} group "
+                          "connection(s) so the loop's collectives fail now", file=sys.stderr, flush=True)
             self.thread.join(timeout_s)
             if self.thread.is_alive():
                 where = self.session.waiting_in if self.session is not None else None
@@ -282,6 +289,7 @@ class RankActor:
             callback.close()  # e.g. RankMetrics: stop re-sending this group's rank's series
         _clear_session()
         rendezvous.destroy_process_group()
+        self.sockets.clear()
         self._clear_loop()
         self.info = None
         self._announce_name()  # idle until the next group's setup

@@ -448,10 +448,12 @@ class WorkerGroup:
 
         The ``failed`` ranks (first-hand failures), the dead and the hung are killed first (their sockets close,
         so the others' collectives fail instead of waiting for them); every other rank is asked to release
-        within ``release_timeout_s`` (its loop ends, its process group is left), and killed when it does not.
+        within ``release_timeout_s`` (its loop ends: a loop still waiting in a collective has its group's
+        connections shut, group_sockets.py; its process group is left), and killed when it does not. Only then
+        does it wait for Ray to confirm the killed ranks dead (a cut-off node's: once Ray marks the node dead).
         A fixed-size group's placement group is kept only when every bundle of it is still placed."""
         doomed = [r for r in range(len(self.slots)) if r in failed or r in self._gone]
-        _kill([self.slots[r].actor for r in doomed])
+        _send_kill([self.slots[r].actor for r in doomed])  # their deaths are awaited last (end_slots), not before
         candidates = [r for r in range(len(self.slots)) if r not in doomed]
         if candidates and not self.slots[0].own_pg and not _placed(self.slots[0].pg):
             candidates = []  # a node of the group is gone: Ray re-places its bundles; start afresh
@@ -495,11 +497,21 @@ def _placed(pg: PlacementGroup) -> bool:
 
 def _kill(actors: list[Any], timeout_s: float = 30.0) -> None:
     """Kill the actors and wait (bounded) until Ray reports each dead."""
+    _send_kill(actors)
+    _await_dead(actors, timeout_s)
+
+
+def _send_kill(actors: list[Any]) -> None:
     for a in actors:
         try:
             ray.kill(a, no_restart=True)
         except Exception:
             pass
+
+
+def _await_dead(actors: list[Any], timeout_s: float = 30.0) -> None:
+    """Wait (bounded) until Ray reports each of the killed ``actors`` dead (a lost node's: once Ray marks the
+    node dead)."""
     deadline = time.monotonic() + timeout_s
     for a in actors:
         while time.monotonic() < deadline:

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from zeroray.engine import ZeroEngine
     from zeroray.engine.comm import Comm
     from zeroray.train.dataset import DataShard
+    from zeroray.train.group.group_sockets import GroupSockets
     from zeroray.train.preemption import PreemptionInfo
 
 
@@ -136,6 +137,7 @@ class Session:
     preemption_keeps_ranks: bool = True  # the next group keeps the ranks that stay (their memory can hold a snapshot)
     measured_s: dict[str, float] = field(default_factory=dict)  # seconds of the last "snapshot" / sync "checkpoint"
     stateful: dict[str, Any] = field(default_factory=dict)  # saved with the engine's state (data positions)
+    group_sockets: GroupSockets | None = None  # the rank actor's: zt.prepare records the engine's groups in it
 
     @property
     def engine(self) -> ZeroEngine | None:

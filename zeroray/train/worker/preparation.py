@@ -3,6 +3,7 @@ resume it from the run's newest committed checkpoint, so ``engine.global_step`` 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import uuid
@@ -84,17 +85,18 @@ def prepare(
     config, nodes = _topology(session, model, optimizer)
     if compile is not None:
         config = dataclasses.replace(config, compile=compile_config(compile))
-    engine = initialize(
-        model,
-        optimizer=optimizer,
-        config=config,
-        process_group=None,
-        nodes=nodes,
-        lr_scheduler=lr_scheduler,
-        init_fn=init_fn,
-        device=device,
-        loaded_keys=loaded_keys,
-    )
+    with session.group_sockets.recording() if session.group_sockets is not None else contextlib.nullcontext():
+        engine = initialize(  # creates the engine's process groups under hybrid sharding (group_sockets.py)
+            model,
+            optimizer=optimizer,
+            config=config,
+            process_group=None,
+            nodes=nodes,
+            lr_scheduler=lr_scheduler,
+            init_fn=init_fn,
+            device=device,
+            loaded_keys=loaded_keys,
+        )
     session.engine = engine
     for name, obj in session.stateful.items():  # data positions made before zt.prepare: resumed with the engine
         engine.register_stateful(name, obj)
