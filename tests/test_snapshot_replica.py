@@ -6,7 +6,8 @@ the whole state, flat at world 2 (a shrink) and hybrid at world 4 (a new node re
 bit, and the grown group's next losses are the uninterrupted run's. At world 6 (three replica groups, one
 lost) survivors that stopped at different steps give the newest step whose copies cover every shard, never a
 mix; with none, the report-time snapshots, then storage, and rank 0 says why. A rank that fails inside its
-optimizer step offers nothing."""
+optimizer step offers nothing. Whether the ranks a resize keeps hold every shard (``uncovered``, what decides
+a recovery point without a checkpoint) is checked on the mesh columns alone."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from tests.support.checkpoint import assemble, assert_same, make_engine, snapsho
 from tests.support.dist import run_ranks
 from tests.support.models import batches
 from tests.support.recipe import OPT_STEPS, train
-from zeroray.checkpoint.snapshot import Choice, SnapshotStore, choose, restore, take
+from zeroray.checkpoint.snapshot import Choice, SnapshotStore, choose, restore, take, uncovered
 from zeroray.engine import Comm, GroupAborted
 
 K = 2
@@ -193,3 +194,22 @@ def test_survivors_at_different_steps_give_the_newest_covered_step(mixed: list[d
         at, lacking, instead = warned
         assert any(f"no recovery from replicas at step {at}" in line and str(lacking) in line and instead in line
                    for line in got[0]["log"]), got[0]["log"]
+
+
+# The mesh columns (Topology.replica_ranks) at world 6: k=2 (replica groups {0, 1}, {2, 3}, {4, 5}) and k=3.
+COLUMNS_K2 = [(0, 2, 4), (1, 3, 5)] * 3
+COLUMNS_K3 = [(0, 3), (1, 4), (2, 5)] * 2
+
+
+@pytest.mark.parametrize(("columns", "holders", "expected"), [
+    (COLUMNS_K2, range(6), []),  # a grow: every rank stays
+    (COLUMNS_K2, range(4), []),  # a shrink to 4: two replica groups stay
+    (COLUMNS_K2, range(2), []),  # a shrink to 2: one replica group is a whole copy
+    (COLUMNS_K2, [0], [1, 3, 5]),  # a shrink to 1: the other place's shards have no copy
+    (COLUMNS_K2, [0, 2, 4], [1, 3, 5]),  # one place of every replica group (a node of each, k across nodes)
+    (COLUMNS_K3, range(2), [2, 5]),  # a shrink to 2 at k=3: the third place of each group is lost
+    (COLUMNS_K3, [3, 4, 5], []),
+    (COLUMNS_K2, [], list(range(6))),
+])
+def test_the_ranks_that_stay_cover_every_shard_or_name_what_they_lack(columns, holders, expected) -> None:
+    assert uncovered(columns, holders) == expected

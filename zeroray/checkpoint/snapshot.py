@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import math
 import pickle
-from collections.abc import Hashable, Sequence
+from collections.abc import Collection, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -180,6 +180,14 @@ def buddies(nodes: Sequence[Hashable]) -> list[int]:
         if all(nodes[r] != nodes[(r + s) % w] for r in range(w)):
             return [(r + s) % w for r in range(w)]
     return [next(((r + s) % w for s in range(1, w) if nodes[(r + s) % w] != nodes[r]), (r + 1) % w) for r in range(w)]
+
+
+def uncovered(columns: Sequence[Sequence[int]], holders: Collection[int]) -> list[int]:
+    """The ranks none of whose shards' holders is in ``holders`` (the ranks whose copies the next group has):
+    ``columns[r]`` names the ranks holding rank ``r``'s shards (its mesh column, ``Topology.replica_ranks``,
+    ``r`` included). A recovery from replicas needs this empty. Pure."""
+    held = set(holders)
+    return [r for r, column in enumerate(columns) if held.isdisjoint(column)]
 
 
 def replicate(comm: Comm, store: SnapshotStore, snap: Snapshot, nodes: Sequence[Hashable]) -> None:

@@ -179,15 +179,17 @@ class FailureConfig:
     keeps a host copy of its live state, and the next group copies a lost node's shards from their replicas
     in the other replica groups: no storage read and no step lost, with no cost while training (one host
     copy of the rank's shard state, from the failure until the next group's first report). Where some shard
-    has no surviving copy it falls back to the snapshots, then storage. False = off (the copy's host memory
-    is not spared).
+    has no surviving copy it falls back to the snapshots, then storage. A planned resize and a preemption
+    notice use the same copies as their recovery point (no checkpoint written) when the ranks that stay hold
+    every shard. False = off (the copy's host memory is not spared; recovery points write checkpoints).
 
     ``max_preemption_failures`` (Ray Train V2's name and default): how many preemptions the run recovers
     from, counted apart from ``max_failures`` (-1 = no limit, 0 = none). A preemption is a drain notice of a
     node that holds ranks (``ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION``, the autoscaler's, a
     raylet's own on SIGTERM), a SIGTERM to a rank's process, or a failure of the ranks such a notice named.
     On a notice the group takes a recovery point at its next ``zt.report`` that does not depend on the
-    leaving ranks (an in-memory snapshot to buddies that stay when ``snapshot_interval`` > 0, else a
+    leaving ranks (under hybrid sharding the live replicas of the ranks that stay, when they hold every
+    shard; else an in-memory snapshot to buddies that stay when ``snapshot_interval`` > 0, else a
     checkpoint; whichever fits the deadline), then goes on without them: 0 steps lost. A deadline too short
     for either degrades to crash recovery (the steps since the last recovery point are lost), with a warning
     saying how long the recovery point needed. See docs/operations.md.

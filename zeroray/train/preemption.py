@@ -55,11 +55,13 @@ def merge(*infos: PreemptionInfo | None) -> PreemptionInfo | None:
 class RecoveryChoice:
     """The recovery point the ranks took on a notice, and why (the driver logs it; ``Attempt.message`` keeps it).
 
-    ``kind``: "snapshot" (in-memory, to buddies on nodes that stay), "checkpoint" (to storage) or "none" (the
+    ``kind``: "replica" (hybrid sharding: the live state of the ranks that stay holds every shard, nothing
+    written), "snapshot" (in-memory, to buddies on nodes that stay), "checkpoint" (to storage) or "none" (the
     deadline left too little time for either: the next group resumes from the newest earlier one, as after a
-    crash); ``step``: the engine's global step then (None: no engine); ``remaining_s``: seconds to the deadline at
+    crash); a planned resize's is "replica" or "checkpoint", with no deadline and no estimates; ``step``: the engine's global step then (None: no engine); ``remaining_s``: seconds to the deadline at
     that step boundary (None: no deadline); ``needed_s``: the estimated seconds of each kind that was possible,
-    ``how``: how each was estimated ("measured", "already taken at this step", "estimated from N MB");
+    ``how``: how each was estimated ("measured", "already taken at this step", "estimated from N MB",
+    "kept in memory": the replicas' copies, taken before the choice);
     ``unavailable``: why a kind could not serve; ``took_s``: what the chosen one took."""
 
     kind: str

@@ -44,7 +44,8 @@ class Attempt:
 
     ``recovered_from``: where the group's state came from, "memory" (the ranks' in-memory snapshots,
     ``FailureConfig.snapshot_interval``), "replica" (hybrid sharding: the live state of the replicas that
-    survived, ``FailureConfig.replica_recovery``), "storage" (a committed checkpoint) or None (from scratch).
+    survived a failure, or that stayed at a resize's or a preemption's recovery point,
+    ``FailureConfig.replica_recovery``), "storage" (a committed checkpoint) or None (from scratch).
 
     ``epoch``: the fencing epoch the driver gave the group (increasing over the run's life, across fits): its
     saves carry it, and a rank of an older epoch commits nothing once it began.

@@ -14,15 +14,17 @@ group down.
 Elastic runs (``ScalingConfig(num_workers=(min, max))``): RESTARTING asks the policy for the size the
 cluster holds now (a lost node shrinks the group instead of being waited for); RUNNING asks it every
 ``elastic_resize_monitor_interval_s`` and a different answer is a planned resize: RESIZING asks the
-ranks for a recovery point (they save and stop at their next report, worker/recovery.py), tears the
-group down and schedules the new size, which resumes from that checkpoint with no step lost. A group
+ranks for a recovery point (they save, or under hybrid sharding keep their live replicas, and stop at
+their next report: worker/recovery.py), tears the group down and schedules the new size, which resumes
+from it with no step lost. A group
 that cannot be placed at the size the nodes' capacity promised (a dead node Ray still lists, resources
 someone else holds) is retried at the size that is free then.
 
 Preemptions (``PREEMPTING``): the controller watches Ray's drain notices of the group's nodes
 (:class:`~zeroray.train.driver.drain_watcher.DrainWatcher`) and the SIGTERMs its ranks report. On a notice it
-hands it to every rank; at their next report the ranks take the recovery point that fits the deadline (an
-in-memory snapshot to buddies that stay, else a checkpoint, else none: worker/preemption.py) and stop; the
+hands it to every rank; at their next report the ranks take the recovery point that fits the deadline (the
+live replicas of the ranks that stay under hybrid sharding, an in-memory snapshot to buddies that stay, else a
+checkpoint, else none: worker/preemption.py) and stop; the
 controller ends the leaving ranks (a fixed-size group off a draining node: all of them, for a new placement
 group) and schedules the next group on nodes that are not draining. A failure of the ranks a notice named
 counts as a preemption too (``FailureConfig.max_preemption_failures``), not against ``max_failures``.
@@ -356,7 +358,7 @@ class Controller:
             following = self._start_spares(state.decision)
             if following is not None:
                 return following
-        self.group.request_recovery_point()
+        self.group.request_recovery_point(state.decision.num_workers)
         wait_s = max(RECOVERY_POINT_WAIT_S, self.spec.collective_timeout_s)
         status = self._await_recovery_point(wait_s, f"zeroray: the ranks reached no recovery point (zt.report) in "
                                                     f"{wait_s:.0f}s: resizing from the newest checkpoint")
@@ -364,8 +366,9 @@ class Controller:
             return status
         if status.stopped_at is not None and self.attempt_history:
             self.attempt_history[-1].last_step = status.stopped_at
+        point = _resize_point(status.stopped_with if status.all_stopped else None)
         self._end_attempt("resize_up" if state.decision.num_workers > size else "resize_down",
-                          message=f"resized from {size} to {state.decision.num_workers} workers")
+                          message=f"resized from {size} to {state.decision.num_workers} workers{point}")
         # Stopped at a recovery point: every rank is released at once; one that did not stop is killed.
         self._end_group(set(), 0.0 if status.all_stopped else 0.5)
         return S.Scheduling(state.decision)
@@ -621,10 +624,21 @@ def _log_recovery_point(choice: RecoveryChoice | None) -> str:
             "steps since are lost)", choice.step, choice.explain(),
             "?" if needed is None else f"{needed:.2f}s (x1.5 + 1s of margin)")
         return f"no recovery point at step {choice.step}: {choice.explain()}"
-    where = "in-memory snapshot to buddies on ranks that stay" if choice.kind == "snapshot" else "checkpoint"
+    where = {"replica": "the live replicas of the ranks that stay (no checkpoint)",
+             "snapshot": "in-memory snapshot to buddies on ranks that stay"}.get(choice.kind, "checkpoint")
     logger.warning("zeroray: preemption: %s at step %s, took %.2fs (%s)", where, choice.step, choice.took_s,
                    choice.explain())
     return f"{choice.kind} at step {choice.step} in {choice.took_s:.2f}s ({choice.explain()})"
+
+
+def _resize_point(choice: RecoveryChoice | None) -> str:
+    """What a resize's attempt message says of its recovery point (the ranks logged why)."""
+    if choice is None or choice.step is None:
+        return ""
+    if choice.kind == "replica":
+        return f"; recovery point at step {choice.step}: the live replicas of the ranks that stay (no checkpoint)"
+    why = f" (no recovery from replicas: {choice.unavailable['replica']})" if "replica" in choice.unavailable else ""
+    return f"; recovery point at step {choice.step}: a checkpoint{why}"
 
 
 def _too_many_preemptions(policy: FailurePolicy) -> StartFailure:

@@ -24,9 +24,9 @@ class PollAnswer:
     this answer or an earlier one); ``failure``: why it failed; ``stopped``: it ended at a recovery point
     (a planned resize), at the engine's global step ``stopped_at``. ``timings`` and ``resumed`` come once,
     with the rank's first report: its start-up seconds by phase (``Attempt.phases``) and where its
-    ``zt.prepare`` resumed from ("memory" | "replica" | "storage", step). ``stopped_with``: on a preemption
-    notice, the recovery point the loop stopped at and why; ``sigterm``: the rank's process got SIGTERM (a
-    notice for this rank, with the grace left).
+    ``zt.prepare`` resumed from ("memory" | "replica" | "storage", step). ``stopped_with``: the recovery point
+    the loop stopped at (on a preemption notice or for a planned resize) and why; ``sigterm``: the rank's
+    process got SIGTERM (a notice for this rank, with the grace left).
     """
 
     reports: tuple[Report, ...] = ()
@@ -51,7 +51,7 @@ class PollStatus:
     stopped_at: int | None = None
     timings: dict[str, float] | None = None  # rank 0's start-up seconds, with its first report
     resumed: tuple[Literal["memory", "replica", "storage"], int] | None = None  # with them: what the group resumed from
-    stopped_with: RecoveryChoice | None = None  # rank 0's, once it stopped at a preemption's recovery point
+    stopped_with: RecoveryChoice | None = None  # rank 0's, once it stopped at a recovery point
     sigterms: list[PreemptionInfo] = field(default_factory=list)  # ranks whose process got SIGTERM
 
     @property

@@ -116,7 +116,7 @@ class RankActor:
         self.done = False
         self.stopped_at: int | None = None  # the step of the recovery point the loop stopped at
         self.stopped = False
-        self.stopped_with: Any = None  # on a preemption notice: the RecoveryChoice the loop stopped with
+        self.stopped_with: Any = None  # the RecoveryChoice the loop stopped with (a preemption's, a resize's)
         self.loop_started_at: float | None = None
         self.timings_sent = False
 
@@ -258,11 +258,12 @@ class RankActor:
             self.session.preemption_keeps_ranks = keeps_ranks
             self.session.preemption = info
 
-    def request_recovery_point(self) -> None:
-        """A planned resize: stop the loop at the next report, after saving the engine (worker/recovery.py)."""
+    def request_recovery_point(self, num_workers: int) -> None:
+        """A planned resize to ``num_workers`` ranks: stop the loop at the next report, at a recovery point (the
+        live replicas of the ranks that stay, or a checkpoint: worker/recovery.py)."""
         self._contact = time.monotonic()
         if self.session is not None:
-            self.session.stop_requested = True
+            self.session.resize_to = num_workers
 
     def release(self, timeout_s: float) -> str | None:
         """Make this process ready for another group: wait up to ``timeout_s`` for the loop to end (a failed

@@ -431,12 +431,13 @@ class WorkerGroup:
             if rank not in self._gone:
                 actor.mark_preempt.remote(info, keeps_ranks)
 
-    def request_recovery_point(self) -> None:
-        """Ask every rank to stop at its next report after saving (a planned resize); fire and forget: the
-        answer comes through ``poll`` (``all_stopped``)."""
+    def request_recovery_point(self, num_workers: int) -> None:
+        """Ask every rank to stop at a recovery point at its next report (a planned resize to ``num_workers``,
+        which keeps this group's first ``num_workers`` ranks); fire and forget: the answer comes through
+        ``poll`` (``all_stopped``, ``stopped_with``)."""
         for rank, actor in enumerate(self.actors):
             if rank not in self._gone:
-                actor.request_recovery_point.remote()
+                actor.request_recovery_point.remote(num_workers)
 
     @property
     def pids(self) -> list[int]:

@@ -125,7 +125,7 @@ class Session:
     last_global_step: int = 0
     checkpoint_saver: AsyncSaver | None = None  # from the rank's first async save
     elastic: bool = False  # the ranks agree at each report whether to stop at a recovery point
-    stop_requested: bool = False  # the driver asked for a recovery point (a planned resize)
+    resize_to: int | None = None  # the driver asked for a recovery point: a planned resize to this many ranks
     last_saved_step: int | None = None  # global step of this engine's newest save
     checkpoint_load: tuple[float, int] | None = None  # (seconds, bytes) of the resume load, for the metrics
     engine_ready_at: float | None = None  # time.time() when zt.prepare built the engine (before its resume load)

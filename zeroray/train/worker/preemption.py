@@ -9,11 +9,14 @@ of the process ending at once with the steps since the last recovery point lost.
 
 **The recovery point** (:func:`take_recovery_point`). The driver hands every rank the notice
 (``RankActor.mark_preempt``); the ranks agree on it in the exchange of their next ``zt.report`` (so all act at
-the same report), then exchange their measured durations and each computes the same :func:`choose`: an
-in-memory snapshot to buddies on ranks that stay (when snapshots are on, the group keeps its surviving ranks,
-and every leaving rank's buddy stays), else a checkpoint, whichever fits the time left (estimate x
-``SAFETY_FACTOR`` + ``MARGIN_S``). When neither fits, the ranks stop with no recovery point and the next group
-resumes from the newest earlier one, as after a crash. The loop then ends with :class:`RecoveryPointReached`.
+the same report). Under hybrid sharding with replica recovery every rank first keeps its live state, and
+when the ranks that stay hold every shard that is the recovery point ("replica": nothing is written, the next
+group restores from them). Else they exchange their measured durations and each computes the same
+:func:`choose`: an in-memory snapshot to buddies on ranks that stay (when snapshots are on, the group keeps its
+surviving ranks, and every leaving rank's buddy stays), else a checkpoint, whichever fits the time left
+(estimate x ``SAFETY_FACTOR`` + ``MARGIN_S``). When neither fits, the ranks stop with no recovery point and the
+next group resumes from the newest earlier one, as after a crash. The loop then ends with
+:class:`RecoveryPointReached`.
 """
 
 from __future__ import annotations
@@ -163,6 +166,22 @@ def _no_snapshot(session: Session, info: PreemptionInfo, keeps_ranks: bool) -> s
     return None
 
 
+def _keep_replicas(session: Session, info: PreemptionInfo, keeps_ranks: bool) -> tuple[str | None, float] | None:
+    """Under hybrid sharding with replica recovery (else None), collective: every rank keeps its live state and
+    the ranks agree whether the ranks that stay hold every shard (``recovery.keep_replicas``): (None when they do,
+    else why not; the seconds it took)."""
+    if not recovery.offers_replicas(session):
+        return None
+    if not keeps_ranks:
+        return "the group moves to a new placement group (a fixed-size run off a draining node), which keeps no rank", 0.0
+    stay = sorted(set(range(session.context.get_world_size())) - set(info.preempted_ranks))
+    if not stay:
+        return "no rank stays to hold the copies", 0.0
+    start = time.perf_counter()
+    why_not = recovery.keep_replicas(session, stay)
+    return why_not, time.perf_counter() - start
+
+
 def take_recovery_point(session: Session, info: PreemptionInfo, keeps_ranks: bool, metrics: dict[str, Any],
                         ranks: tuple[Any, ...], num_reports: int) -> None:
     """Collective, at the end of the ``zt.report`` whose exchange agreed on ``info``: take the recovery point that
@@ -171,19 +190,24 @@ def take_recovery_point(session: Session, info: PreemptionInfo, keeps_ranks: boo
     choice = RecoveryChoice("none", None, info.remaining_s(), {}, {}, {"any": "no engine (zt.prepare not called)"})
     if engine is not None:
         durations = session.report_comm.all_gather_object(_own_durations(session))
+        start = time.perf_counter()
+        replica = _keep_replicas(session, info, keeps_ranks)
         needed, how, unavailable = estimates(session, info, keeps_ranks, durations)
         remaining = info.remaining_s()  # after the exchange: the same moment, give or take, on every rank
         remaining = session.report_comm.broadcast_object(remaining, src=0)  # exactly the same choice everywhere
-        kind = choose(remaining, needed)
-        start = time.perf_counter()
+        if replica is not None and replica[0] is None:  # taken already: nothing is left to do but stop
+            kind = "replica"
+            needed, how = {"replica": replica[1], **needed}, {"replica": "kept in memory", **how}
+        else:
+            if replica is not None:
+                unavailable = {"replica": replica[0], **unavailable}
+            kind = choose(remaining, needed)
         if kind == "snapshot" and session.last_snapshot_step != engine.global_step:
             recovery.take_snapshot(session)
         elif kind == "checkpoint":
             if session.last_saved_step != engine.global_step:
                 recovery.save_checkpoint(session)
             recovery.wait_for_save(session)
-        if kind != "none":
-            recovery.keep_live_state(session)
         choice = RecoveryChoice(kind, int(engine.global_step), remaining, needed, how, unavailable,
                                 time.perf_counter() - start)
     if session.context.get_world_rank() == 0:

@@ -27,20 +27,26 @@ failed inside its optimizer step) the resume falls back to the buddy snapshots, 
 The live copies of a group that failed are dropped at the next group's first report, once every rank
 of it runs (a failure before then may still need them).
 
-**Recovery points**: a planned resize stops the loop right after a checkpoint, so it loses no step.
+**Recovery points**: a planned resize stops the loop right after a recovery point, so it loses no step.
 The driver cannot stop the user's loop from outside without losing the steps since the last
-checkpoint, so it asks the ranks (``RankActor.request_recovery_point``) and they stop at their next
-``zt.report``: in an elastic run every report ends with one more small exchange on the report group,
-in which the ranks agree whether any of them was asked (they may hear the request at different
-reports; the exchange makes it the same report for all). Then every rank saves the engine at its
+checkpoint, so it asks the ranks (``RankActor.request_recovery_point``, with the size it resizes to) and
+they stop at their next ``zt.report``: in an elastic run every report ends with one more small exchange on
+the report group, in which the ranks agree whether any of them was asked (they may hear the request at
+different reports; the exchange makes it the same report for all). Then every rank saves the engine at its
 current step, unless that step is already saved, waits for the commit, and leaves its loop by raising
 :class:`RecoveryPointReached`, which the actor reports as "stopped at step N", not as a failure.
+Under hybrid sharding with replica recovery the live state is the recovery point instead: every rank
+keeps it (:func:`keep_replicas`), and when the copies of the ranks the next group keeps (a grow: all of
+them; a shrink: the first ``resize_to``) hold every shard, nothing is written and the next group restores
+from them (``resumed=("replica", step)``, no storage read). Where they do not (a shrink that drops every
+copy of some shard), the ranks save the checkpoint as above, and rank 0 logs why.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Collection
 from typing import Any
 
 import zeroray.checkpoint as zc
@@ -175,30 +181,61 @@ def take_snapshot(session: Session) -> tuple[float, int]:
     return time.perf_counter() - start, snap.header.nbytes
 
 
-def keep_live_state(session: Session) -> None:
+def keep_live_state(session: Session) -> bool:
     """Copy this rank's live engine state into its snapshot store (no collective), for a recovery from
     replicas: after its group failed (the rank has left it), or at a recovery point. Only under hybrid
     sharding (flat shards have no other copy), and only a completed optimizer step: a rank that failed inside
-    one (or inside a load) offers nothing, and says so. Never raises: the rank's failure is already reported."""
+    one (or inside a load) offers nothing, and says so. Whether it kept a copy; never raises: the rank's
+    failure is already reported."""
     engine = session.engine
-    if (engine is None or session.snapshots is None or session.snapshot_group is None
-            or not session.spec.replica_recovery or engine.topology.replica_ranks is None):
-        return
+    if not offers_replicas(session):
+        return False
     rank = session.context.get_world_rank()
     if engine.mid_update:
         logger.warning("zeroray: rank %d stopped inside an optimizer step (or a load); its state is not offered "
                        "for recovery from replicas", rank)
-        return
+        return False
     start = time.perf_counter()
     try:
         snap = snapshot.take(engine, session.snapshot_group[0], live=True)
     except Exception as e:  # e.g. a device lost with the node: the other replicas may still cover this shard
         logger.warning("zeroray: rank %d could not copy its state for recovery from replicas (%s: %s)", rank,
                        type(e).__name__, e)
-        return
+        return False
     session.snapshots.add(snap)
     logger.info("zeroray: rank %d kept its state of step %d for recovery from replicas (%.1f MB in %.2f s)", rank,
                 snap.header.step, snap.header.nbytes / 1e6, time.perf_counter() - start)
+    return True
+
+
+def offers_replicas(session: Session) -> bool:
+    """Whether this group's live state can serve a recovery from replicas: an engine, hybrid sharding (a shard
+    has copies in other replica groups) and ``FailureConfig.replica_recovery``. The same on every rank."""
+    engine = session.engine
+    return (engine is not None and session.snapshots is not None and session.snapshot_group is not None
+            and session.spec.replica_recovery and engine.topology.replica_ranks is not None)
+
+
+def keep_replicas(session: Session, stay: Collection[int]) -> str | None:
+    """Collective, at a recovery point (every rank at the same report): every rank keeps its live state
+    (:func:`keep_live_state`), then the ranks agree whether the copies of the ranks in ``stay`` (this group's
+    ranks that the next group keeps) hold every shard. None when they do: the recovery point needs no
+    checkpoint, the next group restores from them as after a failure (``resumed=("replica", step)``); else
+    why not, and the caller saves a checkpoint. Only where :func:`offers_replicas`."""
+    kept = keep_live_state(session)
+    gathered = session.report_comm.all_gather_object((session.engine.topology.replica_ranks, kept))
+    missing = snapshot.uncovered([column for column, _ in gathered], [r for r in stay if gathered[r][1]])
+    if missing:
+        return f"no rank that stays ({_ranks(stay)}) kept a copy of the shards of rank(s) {missing}"
+    return None
+
+
+def _ranks(ranks: Collection[int]) -> str:
+    """``ranks`` for a log line: "ranks 0-3" for a run, else the list."""
+    r = sorted(ranks)
+    if r and r == list(range(r[0], r[-1] + 1)) and len(r) > 2:
+        return f"ranks {r[0]}-{r[-1]}"
+    return f"rank(s) {r}"
 
 
 def drop_recovered(session: Session) -> None:
@@ -209,8 +246,8 @@ def drop_recovered(session: Session) -> None:
 
 class RecoveryPointReached(BaseException):  # noqa: N818 - a control-flow signal, not an error
     """Raised out of ``zt.report`` to end the loop at a recovery point; a BaseException so that a loop's
-    ``except Exception`` does not swallow it. ``step``: the engine's global step saved (None: no engine);
-    ``choice``: on a preemption notice, which recovery point was taken and why (worker/preemption.py)."""
+    ``except Exception`` does not swallow it. ``step``: the engine's global step then (None: no engine);
+    ``choice``: which recovery point was taken and why (a resize's here, a preemption's: worker/preemption.py)."""
 
     def __init__(self, step: int | None, choice: RecoveryChoice | None = None) -> None:
         super().__init__(f"stopped at a recovery point (step {step})")
@@ -225,18 +262,43 @@ class RecoveryPointCallback(ReportCallback):
 
     def after_report(self, metrics: dict[str, Any], stats: RankStats, num_reports: int) -> None:
         session = self.session
-        gathered = session.report_comm.all_gather_object((session.stop_requested, stats))
-        if not any(asked for asked, _ in gathered):
+        gathered = session.report_comm.all_gather_object((session.resize_to, stats))
+        asked = [size for size, _ in gathered if size is not None]
+        if not asked:
             return
         engine = session.engine
-        step = None
+        step = choice = None
         if engine is not None:
             step = int(engine.global_step)
-            if session.last_saved_step != step:
-                save_checkpoint(session)
-            wait_for_save(session)
-            keep_live_state(session)  # hybrid: the next group's new ranks get their shards from these ranks
+            choice = self._recovery_point(step, asked[0])
         if session.context.get_world_rank() == 0:  # the report this exchange ended: zt.report queues it after us
             ranks = tuple(s for _, s in gathered)
             session.reports.put(Report(index=num_reports, time=time.time(), metrics=metrics, ranks=ranks))
-        raise RecoveryPointReached(step)
+        raise RecoveryPointReached(step, choice)
+
+    def _recovery_point(self, step: int, resize_to: int) -> RecoveryChoice:
+        """Collective: under hybrid sharding with replica recovery, the live replicas of the ranks that stay when
+        they hold every shard (rank 0 logs which it took, and why); else a checkpoint, as without replicas. A
+        resize keeps this group's first ``min(world, resize_to)`` ranks (a grow all of them, a shrink drops the
+        last: ``WorkerGroup.start``)."""
+        session = self.session
+        world = session.context.get_world_size()
+        stay = range(min(world, resize_to))
+        start = time.perf_counter()
+        hybrid = offers_replicas(session)
+        why_not = keep_replicas(session, stay) if hybrid else None
+        if not hybrid or why_not is not None:
+            if session.last_saved_step != step:
+                save_checkpoint(session)
+        wait_for_save(session)  # this save, or an async one of an earlier step: done before the group ends
+        if hybrid and session.context.get_world_rank() == 0:
+            if why_not is None:
+                logger.info("zeroray: recovery point at step %d for a resize from %d to %d ranks: the live replicas of "
+                            "%s hold every shard; no checkpoint written, the next group restores from them", step,
+                            world, resize_to, _ranks(stay))
+            else:
+                logger.warning("zeroray: recovery point at step %d for a resize from %d to %d ranks: a checkpoint, "
+                               "no recovery from replicas: %s", step, world, resize_to, why_not)
+        kind = "replica" if hybrid and why_not is None else "checkpoint"
+        return RecoveryChoice(kind, step, None, {}, {}, {"replica": why_not} if why_not else {},
+                              time.perf_counter() - start)

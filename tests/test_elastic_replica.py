@@ -1,0 +1,173 @@
+"""Resizes under recovery from replicas, on a simulated multi-node cluster (``ray.cluster_utils.Cluster``, nodes of
+two CPUs): an elastic ZeRO-3 run with ``shard_group_size="auto"`` (one shard group of 2 per node, the nodes
+replicas of each other) grows when a node joins, shrinks when one is drained and again when one is lost, and
+writes and reads no checkpoint for any of them:
+
+- **A grow** (2 nodes, 4 ranks -> 3 nodes, 6 ranks), a planned resize: its recovery point at step 5 is the
+  ranks' live state (every rank stays, so every shard has a copy), not a checkpoint, and the new node's ranks
+  receive their shards from the old ones' memory (``recovered_from == "replica"``, 0 steps lost).
+- **A drain** of the third node (a preemption notice, ``ray drain-node``) at step 10: the ranks that stay, one
+  replica group per node left, hold every shard, so that is the recovery point (kind "replica"), and the group of
+  4 resumes at step 10 from them.
+- **A node lost** without warning at step 13: the survivors' live copies cover every shard, as in
+  tests/test_netcluster_replica.py; the group of 2 (one node: flat) resumes at step 13 from them.
+
+Storage plays no part: every checkpoint file is overwritten with zeros before each node event (a read of one
+would fail its checksum), and storage ends with the checkpoints of steps 4, 8, 12 and 16 only (none at 5, 10 or
+13). The per-step losses and final weights are a single-process reference run's, up to fp32 rounding (world
+sizes 2, 4 and 6 sum the same gradients in another order). As in tests/test_elastic_cluster.py, the cluster lives in a process of
+its own (``python -m tests.test_elastic_replica host <dir>``) and the driver in another; the loop holds at the
+chosen steps until the group changes, so each node event lands at a known step.
+
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from tests.support import elastic
+
+STEPS, CHECKPOINT_EVERY = 16, 4
+HOLDS = (5, 10, 13)  # the group that trains these steps holds after them until it is replaced: grow, drain, loss
+RTOL = 1e-6
+REPO_ROOT = Path(__file__).resolve().parent.parent
+# Ray's node health check, tightened: a node lost without warning is declared dead after about 3 x 500 ms.
+HEALTH_CHECK_CONFIG = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500,
+                       "health_check_timeout_ms": 1000, "health_check_failure_threshold": 3}
+
+
+def _loop(config):
+    import zeroray.train as zt
+
+    ctx = zt.get_context()
+    m = elastic.model()
+    engine = zt.prepare(m, elastic.optimizer(m))
+    x, y = elastic.data(STEPS)
+    control = Path(config["control"])
+    while engine.global_step < STEPS:
+        step = engine.global_step
+        loss = elastic.train_step(engine, ctx, x, y)
+        zt.report({"loss": loss, "step": step + 1, "world": ctx.get_world_size()},
+                  checkpoint=(step + 1) % CHECKPOINT_EVERY == 0)
+        if engine.global_step in HOLDS:  # a group resumed at a hold step trains the next one before it looks
+            if ctx.get_world_rank() == 0:
+                (control / f"held-{ctx.get_world_size()}-{engine.global_step}").write_text("")
+            while True:  # until a recovery point (the grow's, the drain's) stops the loop, or the lost node fails it
+                zt.report({"held": engine.global_step})
+                time.sleep(0.05)
+    state = engine.full_state_dict()
+    if ctx.get_world_rank() == 0:
+        torch.save(state, control / "final.pt")
+
+
+def _drive(address: str, out: Path) -> None:
+    """The subprocess driver: the elastic fit, then what it recorded and whether anything was left behind."""
+    import ray
+
+    import zeroray
+    from zeroray.train import FailureConfig, RunConfig, ScalingConfig, ZeroTrainer
+
+    ray.init(address=address)
+    result = ZeroTrainer(
+        _loop,
+        train_loop_config={"control": str(out / "control")},
+        zero_config=zeroray.ZeroConfig(stage=3, shard_group_size="auto", train_batch_size=elastic.GLOBAL_BATCH,
+                                       train_micro_batch_size_per_gpu=elastic.MICRO),
+        scaling_config=ScalingConfig(num_workers=(2, 6), elastic_resize_monitor_interval_s=1.0),
+        run_config=RunConfig(name="replicagrow", storage_path=str(out / "runs"), progress_bar=False,
+                             failure_config=FailureConfig(max_failures=1, collective_timeout_s=30)),
+    ).fit()
+    (out / "result.json").write_text(json.dumps({
+        "attempts": [a.as_dict() for a in result.attempt_history],
+        "history": result.metrics_history,
+        "left": elastic.left_behind("replicagrow"),
+    }, default=str))
+    ray.shutdown()
+
+
+def _host(out: Path) -> None:
+    """The cluster's own process: a head without CPUs and two two-CPU nodes; the driver in a subprocess; a third
+    node added when the group of 4 holds at step 5, drained when the group of 6 holds at step 10, the first node
+    removed without warning when the group of 4 holds at step 13 (the checkpoints spoiled before each); then
+    teardown. The driver's output goes to out/driver.log."""
+    control, runs = out / "control", out / "runs"
+    with elastic.host_cluster(_system_config=HEALTH_CHECK_CONFIG) as cluster:
+        first = cluster.add_node(num_cpus=2)
+        cluster.add_node(num_cpus=2)
+        with open(out / "driver.log", "w") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "tests.test_elastic_replica", "drive", cluster.address,
+                                     str(out)], cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
+            try:
+                elastic.wait_for(control / "held-4-5", proc)
+                spoiled = elastic.spoil_checkpoints(runs)
+                third = cluster.add_node(num_cpus=2)  # -> grows to 6 at the next check, from the replicas at step 5
+                elastic.wait_for(control / "held-6-10", proc)
+                spoiled += elastic.spoil_checkpoints(runs)
+                subprocess.run([str(Path(sys.executable).parent / "ray"), "drain-node", "--address", cluster.address,
+                                "--node-id", third.node_id, "--reason", "DRAIN_NODE_REASON_PREEMPTION",
+                                "--reason-message", "spot reclaim (test)", "--deadline-remaining-seconds", "60"],
+                               check=True, capture_output=True, timeout=60)
+                elastic.wait_for(control / "held-4-13", proc)
+                spoiled += elastic.spoil_checkpoints(runs)
+                cluster.remove_node(first, allow_graceful=False)  # its two ranks lost with it
+                (out / "host.json").write_text(json.dumps({"drained": third.node_id, "removed": first.node_id,
+                                                           "spoiled": spoiled}))
+                proc.wait(timeout=300)
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait(timeout=30)
+
+
+def test_a_grow_a_drain_and_a_lost_node_resume_from_the_replicas_with_no_checkpoint(tmp_path):
+    (tmp_path / "control").mkdir()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
+    host = subprocess.run([sys.executable, "-m", "tests.test_elastic_replica", "host", str(tmp_path)],
+                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+    log = tmp_path / "driver.log"
+    driver_log = log.read_text() if log.exists() else ""
+    assert host.returncode == 0 and (tmp_path / "result.json").exists(), (
+        f"host exited {host.returncode}:\n{host.stdout[-3000:]}{host.stderr[-3000:]}\ndriver:\n{driver_log[-6000:]}")
+    host_out = json.loads((tmp_path / "host.json").read_text())
+    out = json.loads((tmp_path / "result.json").read_text())
+    attempts = out["attempts"]
+    summary = [(a["world_size"], a["start_step"], a["last_step"], a["end"], a["steps_lost"], a["recovered_from"])
+               for a in attempts]
+    assert summary == [
+        (4, 0, 5, "resize_up", 0, None),  # the grow's recovery point at step 5: the live replicas
+        (6, 5, 10, "preempted", 0, "replica"),  # the new node's ranks got their shards from the old ranks' memory
+        (4, 10, 13, "failure", 0, "replica"),  # the drained node's shards, from the ranks that stay
+        (2, 13, STEPS, "finished", 0, "replica"),  # the lost node's shards, from the survivors' live state
+    ], attempts
+    assert attempts[0]["message"] == ("resized from 4 to 6 workers; recovery point at step 5: the live replicas of "
+                                      "the ranks that stay (no checkpoint)"), attempts[0]["message"]
+    assert "the live replicas of ranks 0-3 hold every shard; no checkpoint written" in driver_log
+    assert attempts[1]["node"] == host_out["drained"], attempts[1]
+    assert re.match(r"rank\(s\) \[4, 5\] preempted: replica at step 10 in \d+\.\d\ds \(\d+\.\ds left to the deadline; a "
+                    r"replica needs about \d+\.\d\ds \(kept in memory\)", attempts[1]["message"]), attempts[1]["message"]
+    assert "preemption: the live replicas of the ranks that stay (no checkpoint) at step 10" in driver_log
+    assert attempts[2]["node"] == host_out["removed"], attempts[2]
+    assert [a["kept_ranks"] for a in attempts] == [0, 4, 4, 2], attempts  # new processes only on the new node
+    # No checkpoint was written for these recovery points, and none read: the spoiled ones would have failed their
+    # checksums.
+    assert len(host_out["spoiled"]) >= 3 * 2, host_out  # checkpoint 4's files; 4's and 8's; 4's, 8's and 12's
+    checkpoints = sorted(int(p.name.split("_")[1]) for p in (tmp_path / "runs" / "replicagrow").glob("checkpoint_*"))
+    assert checkpoints == [4, 8, 12, 16], checkpoints
+    assert out["left"] == {"actors": [], "pgs": []}
+
+    elastic.assert_matches_reference(out["history"], torch.load(tmp_path / "control" / "final.pt"), STEPS, RTOL)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "host":
+        _host(Path(sys.argv[2]))
+    else:
+        _drive(sys.argv[2], Path(sys.argv[3]))
