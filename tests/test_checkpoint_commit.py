@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import subprocess
 import zlib
@@ -106,7 +107,7 @@ def two_saves(tmp_path: Path) -> str:
     ],
 )
 def test_damaged_newest_checkpoint_falls_back(
-    two_saves: str, damage: str, reason: str, capsys: pytest.CaptureFixture
+    two_saves: str, damage: str, reason: str, capsys: pytest.CaptureFixture, caplog: pytest.LogCaptureFixture
 ) -> None:
     run = two_saves
     newest = Path(zc.checkpoint_url(run, 2))
@@ -121,7 +122,11 @@ def test_damaged_newest_checkpoint_falls_back(
         os.truncate(newest / rank_file(0), 100)
 
     previous = zc.checkpoint_url(run, 1)
-    assert zc.latest_committed(run) == previous  # what resume loads
+    with caplog.at_level(logging.WARNING, logger="zeroray.checkpoint.storage"):
+        assert zc.latest_committed(run) == previous  # what resume loads
+    (warned,) = [r.getMessage() for r in caplog.records]  # the steps a resume loses are not lost silently
+    assert warned.startswith(f"zeroray: {newest} is not a valid checkpoint (") and reason in warned, warned
+    assert warned.endswith(f"): the newest valid one is {previous}"), warned
     assert latest_checkpoint(run) == Checkpoint(previous, 1)  # Result.checkpoint
     engine = make_engine(2, seed=1)
     zc.load(engine, zc.latest_committed(run))

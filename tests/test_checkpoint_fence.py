@@ -1,11 +1,15 @@
 """The epoch fence (zeroray/checkpoint/fence.py) on a local disk and on S3 (moto on loopback): a writer of an
 older epoch is refused at the commit, with its message, and leaves nothing committed; it cannot empty a
 newer epoch's checkpoint; a manifest that landed after the fence moved (the object store's race) is never
-taken as committed; a mixed checkpoint is refused in one line; unfenced checkpoints load as before."""
+taken as committed; on S3 a stale commit's manifest PUT that lands after the fence moved is taken back by the
+commit itself, and one that meets a newer epoch's manifest is refused by the store; a mixed checkpoint is refused in one line; unfenced checkpoints load as before."""
 
 from __future__ import annotations
 
 import json
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +19,16 @@ import zeroray.checkpoint as zc
 from tests.support.checkpoint import make_engine
 from tests.support.models import batches
 from tests.support.recipe import train
+from tests.support.s3 import SlowProxy
 from zeroray.checkpoint import fence, writer
-from zeroray.checkpoint.manifest import MANIFEST, CheckpointError, dump_manifest, parse_manifest, rank_file
+from zeroray.checkpoint.manifest import (
+    MANIFEST,
+    CheckpointError,
+    dump_manifest,
+    parse_manifest,
+    part_file,
+    rank_file,
+)
 from zeroray.checkpoint.storage import advance_epoch, open_url
 from zeroray.storage import atomic_write
 
@@ -143,5 +155,74 @@ def test_unfenced_checkpoints_load_as_before_in_a_fenced_run(tmp_path: Path) -> 
     fresh = make_engine(2, seed=1)
     zc.load(fresh, url)
     assert fresh.global_step == 1
+    engine.close()
+    fresh.close()
+
+
+@pytest.fixture
+def held_commit(s3: dict[str, Any], tmp_path: Path) -> Iterator[tuple[str, dict[str, Any], Any, threading.Event]]:
+    """On S3: epoch 1 saved step 1; its rank wrote step 2's file and marker, and rank 0's commit of step 2 passed
+    the fence and sent its manifest PUT, which a proxy holds until the test sets the gate. Yields the run, its
+    storage options (straight to the store), the commit's future (its error) and the gate."""
+    run_url, options = f"{s3['bucket']}/held-{tmp_path.name}", s3["options"]
+    engine = make_engine(2)
+    train(engine, batches(0, 1))
+    assert advance_epoch(run_url, options) == 1
+    zc.save(engine, zc.checkpoint_url(run_url, 1), storage_options=options, epoch=1)
+    train(engine, batches(0, 1))
+    gate = threading.Event()
+    proxy = SlowProxy(options["endpoint_url"], lambda method, path: method == "PUT" and path.endswith(f"/{MANIFEST}"),
+                      gate=gate)
+    with proxy.running(), ThreadPoolExecutor(1) as pool:
+        url = zc.checkpoint_url(run_url, 2)
+        fs, path, sections, commit = writer._start(engine, url, {**options, "endpoint_url": proxy.url}, None, 30.0,
+                                                   epoch=1)
+        writer._write_rank(fs, path, 0, sections, writer._views(sections), epoch=1)
+        committing = pool.submit(commit.run, fs, path, url)
+        assert proxy.arrived(1, timeout_s=30), "the manifest PUT never came"
+        try:
+            yield run_url, options, committing, gate
+        finally:
+            gate.set()
+    engine.close()
+
+
+def test_s3_a_manifest_put_that_lands_after_the_fence_moved_is_taken_back(held_commit: tuple) -> None:
+    """The race the flock rules out on a disk: on S3 the fence moves between the commit's check and its PUT.
+    After the PUT the commit reads the fence again and deletes its own manifest; the store is left with the
+    step's uncommitted files only, and the run's newest committed checkpoint is step 1."""
+    run_url, options, committing, gate = held_commit
+    url = zc.checkpoint_url(run_url, 2)
+    assert advance_epoch(run_url, options) == 2
+    gate.set()
+    with pytest.raises(fence.StaleEpochError, match=(
+            rf"^refused committing {url}: this rank writes for epoch 1, but the run is at epoch 2 ")):
+        committing.result(timeout=60)
+    assert _names(url, options) == [rank_file(0, 1), part_file(0, 1)]  # the manifest taken back, nothing else
+    assert [(c.step, c.committed) for c in zc.list_checkpoints(run_url, options)] == [(1, True), (2, False)]
+    assert zc.latest_committed(run_url, options) == zc.checkpoint_url(run_url, 1)
+
+
+def test_s3_a_stale_manifest_put_never_replaces_a_newer_epochs_commit(held_commit: tuple) -> None:
+    """Epoch 2 commits the same step while epoch 1's manifest PUT is in flight: the PUT is conditional
+    (If-None-Match), so the store refuses it, and epoch 2's checkpoint is left as it committed it."""
+    run_url, options, committing, gate = held_commit
+    url = zc.checkpoint_url(run_url, 2)
+    assert advance_epoch(run_url, options) == 2
+    engine = make_engine(2)
+    train(engine, batches(0, 2))
+    zc.save(engine, url, storage_options=options, epoch=2)
+    fs, path = open_url(url, options)
+    committed = fs.cat_file(f"{path}/{MANIFEST}")
+    gate.set()
+    with pytest.raises(CheckpointError, match=rf"^refused committing {url}: a manifest is there already \(another "
+                                              r"epoch's\)$"):
+        committing.result(timeout=60)
+    assert _names(url, options) == [MANIFEST, rank_file(0, 2)]
+    fs.invalidate_cache(path)
+    assert fs.cat_file(f"{path}/{MANIFEST}") == committed
+    fresh = make_engine(2, seed=1)
+    zc.load(fresh, zc.latest_committed(run_url, options), storage_options=options)
+    assert (fresh.global_step, zc.CheckpointReader(url, options).manifest.epoch) == (2, 2)
     engine.close()
     fresh.close()

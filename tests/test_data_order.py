@@ -1,7 +1,8 @@
 """Exact data order across restarts and resizes: ``zt.DistributedSampler`` over a map-style dataset and
 ``zt.get_dataset_shard`` over an order-preserving Parquet dataset hand out, step by step, the same global
 batches as a fixed-size run, through a grow, a killed rank and a shrink. Unit tests of the order and of
-the saved position (another world size, bad state refused)."""
+the saved position (another world size, bad state refused), and the position carried through a recovery from
+replicas."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import zeroray
 import zeroray.train as zt
 from tests.support.ray import run_config, wait_for_file
 from zeroray.train import FailureConfig, ScalingConfig, ZeroTrainer
@@ -175,3 +177,73 @@ def test_data_order_survives_a_grow_a_kill_and_a_shrink(ray_cluster, tmp_path):
     sizes = [a.world_size for a in result.attempt_history]
     ends = [a.end for a in result.attempt_history]
     assert "resize_up" in ends and "failure" in ends and len(set(sizes)) > 1, result.attempt_history
+
+
+REPLICA_N, REPLICA_BATCH = 20, 4  # 5 steps an epoch
+REPLICA_STEPS, REPLICA_KILL_AT = 9, 7  # the kill two steps into the second epoch
+
+
+def _replica_loop(config):
+    """World 2, hybrid (two shard groups of one rank, replicas of each other), no checkpoint: rank 1 dies after
+    step REPLICA_KILL_AT; the next group rebuilds that step from the survivor's live state. Each group reports where
+    its sampler stands right after zt.prepare, and every step's global batch."""
+    import torch.distributed as dist
+
+    ctx = zt.get_context()
+    control = Path(config["control"])
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    sampler = zt.DistributedSampler(list(range(REPLICA_N)), seed=SEED)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1, 1)
+    engine = zt.prepare(model, torch.optim.SGD(model.parameters(), lr=0.01))
+    p = sampler.position
+    zt.report({"resumed_at": engine.global_step, "position": [p.epoch, p.index, p.step]})
+    loader = torch.utils.data.DataLoader(list(range(REPLICA_N)), batch_size=engine.config.train_micro_batch_size_per_gpu,
+                                         sampler=sampler)
+    mine = []
+    while engine.global_step < REPLICA_STEPS:
+        for idx in loader:
+            step = engine.global_step
+            mine += idx.tolist()
+            engine.backward(model(idx.float().view(-1, 1)).pow(2).mean())
+            engine.step()
+            if engine.global_step == step:
+                continue
+            if engine.global_step == REPLICA_KILL_AT and rank == world - 1 and not (control / "killed").exists():
+                (control / "killed").write_text("")
+                os.kill(os.getpid(), signal.SIGKILL)  # the others fail in the report: their state is this step's
+            everyone = [None] * world
+            dist.all_gather_object(everyone, mine)
+            zt.report({"step": step, "sampler": sum(everyone, [])})
+            mine = []
+            if engine.global_step >= REPLICA_STEPS:
+                break
+
+
+def test_the_position_recovered_from_replicas_is_the_recovered_steps(ray_cluster, tmp_path):
+    """Recovery from replicas (hybrid sharding, ``FailureConfig.replica_recovery``) carries the sampler's position
+    in the survivors' live state: the recovered group's sampler stands where the run stood at the step recovered
+    (epoch 1, 8 samples in, anchored at step 7: the position restored, not counted from step 0), and the steps
+    after take the fixed-size run's global batches."""
+    control = tmp_path / "control"
+    control.mkdir()
+    result = ZeroTrainer(
+        _replica_loop, train_loop_config={"control": str(control)},
+        zero_config=zeroray.ZeroConfig(stage=3, shard_group_size=1, train_batch_size=REPLICA_BATCH,
+                                       train_micro_batch_size_per_gpu=1),
+        scaling_config=ScalingConfig(num_workers=2),
+        run_config=run_config(tmp_path, "replica-order", failure_config=FailureConfig(max_failures=1)),
+    ).fit()
+    attempts = [(a.world_size, a.start_step, a.end, a.recovered_from) for a in result.attempt_history]
+    assert attempts == [(2, 0, "failure", None), (2, REPLICA_KILL_AT, "finished", "replica")], result.attempt_history
+    starts = [h for h in result.metrics_history if "position" in h]
+    epoch, at = divmod(REPLICA_KILL_AT, REPLICA_N // REPLICA_BATCH)
+    assert [(h["resumed_at"], h["position"]) for h in starts] == [
+        (0, [0, 0, 0]), (REPLICA_KILL_AT, [epoch, at * REPLICA_BATCH, REPLICA_KILL_AT])]
+    records = [h for h in result.metrics_history if "sampler" in h]
+    assert [h["step"] for h in records] == list(range(REPLICA_KILL_AT - 1)) + list(range(REPLICA_KILL_AT,
+                                                                                            REPLICA_STEPS))
+    for h in records:
+        epoch, at = divmod(h["step"], REPLICA_N // REPLICA_BATCH)
+        order = torch.randperm(REPLICA_N, generator=torch.Generator().manual_seed(SEED + epoch))
+        assert h["sampler"] == order[at * REPLICA_BATCH : (at + 1) * REPLICA_BATCH].tolist(), h

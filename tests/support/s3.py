@@ -1,7 +1,8 @@
 """S3 for tests: a real endpoint on loopback (moto in server mode, spoken to over HTTP by s3fs), which
 conftest's session fixture ``s3`` starts, and a slow store: a loopback HTTP proxy in front of it that
 holds chosen requests for a while before it forwards them, as a slow network or an overloaded store
-does. The store's own semantics (conditional writes, errors) are the endpoint's; only the timing changes."""
+does, or until a test lets them go (a request in flight while something else happens on the store). The
+store's own semantics (conditional writes, errors) are the endpoint's; only the timing changes."""
 
 from __future__ import annotations
 
@@ -52,13 +53,18 @@ _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length"
 
 class SlowProxy:
     """Forwards every request to ``upstream``; one for which ``hold(method, path)`` is true is held first,
-    the n-th such request for ``delays_s[n]`` seconds (the last one for any after). ``held`` counts the
-    held requests that have arrived (``arrived(n)`` waits for n)."""
+    the n-th such request for ``delays_s[n]`` seconds (the last one for any after), or, with ``gate``, until
+    the gate is set (at most 60 s). ``held`` counts the held requests that have arrived (``arrived(n)`` waits
+    for n)."""
 
-    def __init__(self, upstream: str, hold: Callable[[str, str], bool], delays_s: Sequence[float]) -> None:
+    def __init__(self, upstream: str, hold: Callable[[str, str], bool], delays_s: Sequence[float] = (),
+                 gate: threading.Event | None = None) -> None:
+        if not delays_s and gate is None:
+            raise ValueError("SlowProxy holds requests for delays_s or until a gate is set: give one")
         self.upstream = urlsplit(upstream)
         self.hold = hold
         self.delays_s = list(delays_s)
+        self.gate = gate
         self.held = 0
         self._arrivals = threading.Condition()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
@@ -85,10 +91,13 @@ class SlowProxy:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 if proxy.hold(self.command, urlsplit(self.path).path):
                     with proxy._arrivals:
-                        delay = proxy.delays_s[min(proxy.held, len(proxy.delays_s) - 1)]
+                        delay = proxy.delays_s[min(proxy.held, len(proxy.delays_s) - 1)] if proxy.delays_s else 0
                         proxy.held += 1
                         proxy._arrivals.notify_all()
-                    time.sleep(delay)  # the slow store itself, not a test's synchronisation
+                    if proxy.gate is not None:
+                        proxy.gate.wait(60)  # the test lets it go once what it wants in between has happened
+                    else:
+                        time.sleep(delay)  # the slow store itself, not a test's synchronisation
                 conn = http.client.HTTPConnection(proxy.upstream.hostname, proxy.upstream.port, timeout=60)
                 try:
                     conn.request(self.command, self.path, body=body, headers=dict(self.headers.items()))

@@ -12,6 +12,7 @@ or written anywhere.
 
 from __future__ import annotations
 
+import logging
 import posixpath
 import re
 from dataclasses import dataclass
@@ -33,6 +34,8 @@ from zeroray.checkpoint.manifest import (
 
 if TYPE_CHECKING:
     from zeroray.engine import ZeroEngine
+
+logger = logging.getLogger(__name__)
 
 _CKPT = re.compile(r"^checkpoint_(\d+)$")
 _RANK_FILE = re.compile(r"^rank-\d+(\.e\d+)?\.(bin|part\.json)$")
@@ -279,12 +282,24 @@ def _latest_valid(run_url: str, storage_options: dict[str, Any] | None) -> Check
     fs, run_path = open_url(run_url, storage_options)
     found = _scan(fs, run_path, run_url)
     current = _read_fence(fs, run_path, run_url) if found else None
+    passed: list[CheckpointInfo] = []  # newer checkpoints with a manifest that is not valid
     for step, (path, files) in reversed(found.items()):
         if MANIFEST in files:
             info = _info(fs, join_url(run_url, posixpath.basename(path)), path, step, files, current)
             if info is not None and info.committed:
+                _warn_passed(passed, info.url)
                 return info
+            if info is not None and info.broken:
+                passed.append(info)
+    _warn_passed(passed, None)
     return None
+
+
+def _warn_passed(passed: list[CheckpointInfo], taken: str | None) -> None:
+    """Say which broken checkpoints the newest valid one was found behind: a resume from it loses their steps."""
+    for info in passed:
+        logger.warning("zeroray: %s is not a valid checkpoint (%s): %s", info.url, info.broken,
+                       f"the newest valid one is {taken}" if taken is not None else "no valid checkpoint is left")
 
 
 def latest_committed(
