@@ -43,27 +43,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def _elastic_loop(config):
-    import zeroray.train as zt
-
-    ctx = zt.get_context()
-    m = elastic.model()
-    engine = zt.prepare(m, elastic.optimizer(m))
-    x, y = elastic.data(STEPS)
-    control = Path(config["control"])
-    while engine.global_step < STEPS:
-        step = engine.global_step
-        loss = elastic.train_step(engine, ctx, x, y)
-        zt.report({"loss": loss, "step": step + 1, "world": ctx.get_world_size()},
-                  checkpoint=(step + 1) % CHECKPOINT_EVERY == 0)
-        if HOLDS.get(str(ctx.get_world_size())) == engine.global_step:
-            if ctx.get_world_rank() == 0:
-                (control / f"held-{ctx.get_world_size()}-{engine.global_step}").write_text("")
-            while True:  # until a planned resize stops the loop here, or a lost node fails the group
-                zt.report({"held": engine.global_step})
-                time.sleep(0.05)
-    state = engine.full_state_dict()
-    if ctx.get_world_rank() == 0:
-        torch.save(state, control / "final.pt")
+    elastic.run_loop(Path(config["control"]), STEPS, CHECKPOINT_EVERY,
+                     lambda world, step: HOLDS.get(str(world)) == step)
 
 
 def _drive(address: str, out: Path, recovery: str) -> None:

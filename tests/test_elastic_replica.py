@@ -28,7 +28,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -45,27 +44,8 @@ HEALTH_CHECK_CONFIG = {"health_check_initial_delay_ms": 0, "health_check_period_
 
 
 def _loop(config):
-    import zeroray.train as zt
-
-    ctx = zt.get_context()
-    m = elastic.model()
-    engine = zt.prepare(m, elastic.optimizer(m))
-    x, y = elastic.data(STEPS)
-    control = Path(config["control"])
-    while engine.global_step < STEPS:
-        step = engine.global_step
-        loss = elastic.train_step(engine, ctx, x, y)
-        zt.report({"loss": loss, "step": step + 1, "world": ctx.get_world_size()},
-                  checkpoint=(step + 1) % CHECKPOINT_EVERY == 0)
-        if engine.global_step in HOLDS:  # a group resumed at a hold step trains the next one before it looks
-            if ctx.get_world_rank() == 0:
-                (control / f"held-{ctx.get_world_size()}-{engine.global_step}").write_text("")
-            while True:  # until a recovery point (the grow's, the drain's) stops the loop, or the lost node fails it
-                zt.report({"held": engine.global_step})
-                time.sleep(0.05)
-    state = engine.full_state_dict()
-    if ctx.get_world_rank() == 0:
-        torch.save(state, control / "final.pt")
+    # A group resumed at a hold step trains the next one before it looks.
+    elastic.run_loop(Path(config["control"]), STEPS, CHECKPOINT_EVERY, lambda world, step: step in HOLDS)
 
 
 def _drive(address: str, out: Path) -> None:

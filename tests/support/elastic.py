@@ -51,6 +51,33 @@ def train_step(engine: Any, ctx: Any, x: torch.Tensor, y: torch.Tensor,
     return total.item() / GLOBAL_BATCH
 
 
+def run_loop(control: Path, steps: int, checkpoint_every: int, holds: Callable[[int, int], bool]) -> None:
+    """The elastic tests' loop: train ``steps`` steps, a checkpoint every ``checkpoint_every``; where
+    ``holds(world, step)``, rank 0 writes ``held-<world>-<step>`` into ``control`` and the group keeps reporting
+    until a recovery point (a grow's, a drain's) stops the loop or a lost node fails it; at the end rank 0 saves
+    the full weights as ``final.pt``."""
+    import zeroray.train as zt
+
+    ctx = zt.get_context()
+    m = model()
+    engine = zt.prepare(m, optimizer(m))
+    x, y = data(steps)
+    while engine.global_step < steps:
+        step = engine.global_step
+        loss = train_step(engine, ctx, x, y)
+        zt.report({"loss": loss, "step": step + 1, "world": ctx.get_world_size()},
+                  checkpoint=(step + 1) % checkpoint_every == 0)
+        if holds(ctx.get_world_size(), engine.global_step):
+            if ctx.get_world_rank() == 0:
+                (control / f"held-{ctx.get_world_size()}-{engine.global_step}").write_text("")
+            while True:
+                zt.report({"held": engine.global_step})
+                time.sleep(0.05)
+    state = engine.full_state_dict()
+    if ctx.get_world_rank() == 0:
+        torch.save(state, control / "final.pt")
+
+
 def reference(steps: int) -> tuple[dict[str, torch.Tensor], list[float]]:
     """The run without failures or resizes: one process, the whole global batch per step (what DDP at any
     size computes)."""
