@@ -65,21 +65,9 @@ def _drive(address: str, out: Path, recovery: str) -> None:
                              failure_config=FailureConfig(max_failures=2, collective_timeout_s=30,
                                                           snapshot_interval=1 if recovery == "memory" else 0)),
     ).fit()
-    (out / "result.json").write_text(json.dumps({
-        "attempts": [a.as_dict() for a in result.attempt_history],
-        "history": result.metrics_history,
-        "left": elastic.left_behind("elastic"),
-    }, default=str))
+    elastic.write_result(out, result, "elastic")
     ray.shutdown()
 
-
-# Ray's node health check, tightened: a node lost without warning is declared dead after about 3 x 500 ms.
-HEALTH_CHECK_CONFIG = {
-    "health_check_initial_delay_ms": 0,
-    "health_check_period_ms": 500,
-    "health_check_timeout_ms": 1000,
-    "health_check_failure_threshold": 3,
-}
 
 
 def _host(out: Path, recovery: str) -> None:
@@ -87,7 +75,7 @@ def _host(out: Path, recovery: str) -> None:
     node added when the group of 2 holds, removed without warning when the group of 3 holds; then teardown.
     Writes out/host.json (the removed node and when) and the driver's output to out/driver.log."""
     control = out / "control"
-    with elastic.host_cluster(_system_config=HEALTH_CHECK_CONFIG) as cluster:
+    with elastic.host_cluster(_system_config=elastic.HEALTH_CHECK_CONFIG) as cluster:
         for _ in range(2):
             cluster.add_node(num_cpus=1)
         with open(out / "driver.log", "w") as log:

@@ -38,10 +38,6 @@ STEPS, CHECKPOINT_EVERY = 16, 4
 HOLDS = (5, 10, 13)  # the group that trains these steps holds after them until it is replaced: grow, drain, loss
 RTOL = 1e-6
 REPO_ROOT = Path(__file__).resolve().parent.parent
-# Ray's node health check, tightened: a node lost without warning is declared dead after about 3 x 500 ms.
-HEALTH_CHECK_CONFIG = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500,
-                       "health_check_timeout_ms": 1000, "health_check_failure_threshold": 3}
-
 
 def _loop(config):
     # A group resumed at a hold step trains the next one before it looks.
@@ -65,11 +61,7 @@ def _drive(address: str, out: Path) -> None:
         run_config=RunConfig(name="replicagrow", storage_path=str(out / "runs"), progress_bar=False,
                              failure_config=FailureConfig(max_failures=1, collective_timeout_s=30)),
     ).fit()
-    (out / "result.json").write_text(json.dumps({
-        "attempts": [a.as_dict() for a in result.attempt_history],
-        "history": result.metrics_history,
-        "left": elastic.left_behind("replicagrow"),
-    }, default=str))
+    elastic.write_result(out, result, "replicagrow")
     ray.shutdown()
 
 
@@ -79,7 +71,7 @@ def _host(out: Path) -> None:
     removed without warning when the group of 4 holds at step 13 (the checkpoints spoiled before each); then
     teardown. The driver's output goes to out/driver.log."""
     control, runs = out / "control", out / "runs"
-    with elastic.host_cluster(_system_config=HEALTH_CHECK_CONFIG) as cluster:
+    with elastic.host_cluster(_system_config=elastic.HEALTH_CHECK_CONFIG) as cluster:
         first = cluster.add_node(num_cpus=2)
         cluster.add_node(num_cpus=2)
         with open(out / "driver.log", "w") as log:

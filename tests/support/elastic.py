@@ -15,6 +15,10 @@ from typing import Any
 import torch
 
 GLOBAL_BATCH, MICRO = 24, 2
+# Ray's node health check, tightened (host_cluster's _system_config): a node lost without warning is declared dead
+# after about 3 x 500 ms.
+HEALTH_CHECK_CONFIG = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500,
+                       "health_check_timeout_ms": 1000, "health_check_failure_threshold": 3}
 
 
 def data(steps: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,6 +80,18 @@ def run_loop(control: Path, steps: int, checkpoint_every: int, holds: Callable[[
     state = engine.full_state_dict()
     if ctx.get_world_rank() == 0:
         torch.save(state, control / "final.pt")
+
+
+def write_result(out: Path, result: Any, run: str) -> None:
+    """A subprocess driver's record for the test process: ``out/result.json`` with the attempts, the metrics
+    history and what Ray still holds of ``run``."""
+    import json
+
+    (out / "result.json").write_text(json.dumps({
+        "attempts": [a.as_dict() for a in result.attempt_history],
+        "history": result.metrics_history,
+        "left": left_behind(run),
+    }, default=str))
 
 
 def reference(steps: int) -> tuple[dict[str, torch.Tensor], list[float]]:
