@@ -2,7 +2,7 @@
 
     sudo PYTHONPATH=. python benchmarks/hybrid_bench.py [--suite hybrid|zeropp] [--params 25e6] [--steps 5]
                                                           [--warmup 2] [--cases 2x2:none,2x2:1gbit,3x2:1gbit]
-                                                          [--modes ...] [--out results.md]
+                                                          [--modes ...] [--deepspeed] [--out results.md]
 
 Nodes are network namespaces joined by a bridge (tests/support/netcluster.py), each node's link
 unshaped or shaped with tbf (1 or 10 Gbit/s, burst 256kb, latency 50ms); ranks 2r and 2r+1 sit on node r,
@@ -33,13 +33,24 @@ Gbit/s, and writes benchmarks/results/zeropp/results.md: flat stage 3, hybrid k=
 (``hpz_partition_size=2`` over the flat group), full ZeRO++ (hpZ + qwZ + qgZ, ``gradient_bits`` 8 and 4, block
 256) and qwZ + qgZ without hpZ; besides the step ratios it reports the ratios of inter-node bytes (comm_report
 and the links' counters) to flat stage 3's. ``--modes`` picks any of the modes of either suite.
+
+``--deepspeed`` adds DeepSpeed's ZeRO-3 to the suite's modes (DS_ACCELERATOR=cpu; ``deepspeed.initialize`` on the
+ranks' gloo group, which ``deepspeed.init_distributed`` finds initialized and wraps): flat and hpZ
+(``zero_hpz_partition_size=2``, the secondary partition inside the node), and zeroray's hpZ where the suite
+lacks it (the hybrid suite), with their ratios. DeepSpeed runs as ZeRO-3 with every parameter sharded and
+gathered again in backward (DEEPSPEED_ZERO3 says why its defaults would not). It has no comm report, so only
+the links' counters count its inter-node bytes. DeepSpeed's MiCS does not run on gloo, and DeepSpeed 0.19.7+
+has none (benchmarks/results/zeropp/deepspeed.md says why). Eight modes instead of five make the default
+cases take about 1.6 times as long (~18 minutes; give ``--timeout 1200``), hence the flag.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import functools
+import importlib.util
 import os
 import platform
 import shlex
@@ -86,7 +97,38 @@ MODE_NAMES = {
     "zeroray-zpp8-s3": "zeroray ZeRO++ (hpZ + qwZ + qgZ int8)",
     "zeroray-zpp4-s3": "zeroray ZeRO++ (hpZ + qwZ + qgZ int4)",
     "zeroray-qwz-qgz8-s3": "zeroray qwZ + qgZ int8, no hpZ",
+    "deepspeed-flat-s3": "DeepSpeed ZeRO-3 flat",
+    "deepspeed-hpz-s3": f"DeepSpeed hpZ (zero_hpz_partition_size={HPZ})",
 }
+# DeepSpeed's modes (--deepspeed): their zero_optimization keys beside DEEPSPEED_ZERO3
+DEEPSPEED_MODES: dict[str, dict[str, Any]] = {
+    "deepspeed-flat-s3": {},
+    "deepspeed-hpz-s3": {"zero_hpz_partition_size": HPZ},
+}
+# ZeRO-3 as the other modes run it: every parameter partitioned (DeepSpeed keeps those under 1e5 elements whole by
+# default) and released after its use, so that backward gathers again. DeepSpeed's defaults keep a parameter
+# gathered while its next use lies within 1e9 elements of the step's trace, and do not release one prefetched for
+# a later use, and its 5e7-element prefetch bucket holds all of these models: it gathers the whole model once in
+# forward and never in backward, so hpZ (which serves backward's gathers) has nothing to do (measured: one gather
+# of all parameters a step, and the same link bytes for flat and hpZ).
+DEEPSPEED_ZERO3 = {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0,
+                   "stage3_prefetch_bucket_size": 0}
+DEEPSPEED_RATIOS = (("DS hpZ / DS flat", "deepspeed-hpz-s3", "deepspeed-flat-s3"),
+                    ("zeroray flat s3 / DS flat", "zeroray-flat-s3", "deepspeed-flat-s3"),
+                    ("zeroray hybrid s3 / DS hpZ", "zeroray-hybrid-s3", "deepspeed-hpz-s3"),
+                    ("zeroray hpZ / DS hpZ", "zeroray-hpz-s3", "deepspeed-hpz-s3"))
+DEEPSPEED_LINK_RATIOS = (("DS flat / zeroray flat s3", "deepspeed-flat-s3", "zeroray-flat-s3"),
+                         ("DS hpZ / DS flat", "deepspeed-hpz-s3", "deepspeed-flat-s3"),
+                         ("zeroray hybrid s3 / DS hpZ", "zeroray-hybrid-s3", "deepspeed-hpz-s3"))
+DEEPSPEED_NOTES = (
+    "DeepSpeed (--deepspeed): ZeRO-3 on the ranks' gloo group, DS_ACCELERATOR=cpu, fp32, torch AdamW"
+    " (`zero_allow_untested_optimizer`), `stage3_param_persistence_threshold`, `stage3_max_reuse_distance` and"
+    " `stage3_prefetch_bucket_size` 0 (every parameter sharded and gathered again in backward, as in the other"
+    " modes; with DeepSpeed's defaults its 5e7-element prefetch gathers all of these models at once in forward and"
+    " keeps them through backward, and hpZ changes nothing), its defaults otherwise; hpZ"
+    " `zero_hpz_partition_size=2` (ranks 2r, 2r+1: a node)."
+    " No comm report: the link MB column is its inter-node traffic. DeepSpeed's MiCS does not run on gloo"
+    " (benchmarks/results/zeropp/deepspeed.md).",)
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -102,6 +144,16 @@ class Suite:
     ratios: tuple[tuple[str, str, str], ...]
     byte_ratios: tuple[tuple[str, str, str], ...] = ()
     notes: tuple[str, ...] = ()
+    link_ratios: tuple[tuple[str, str, str], ...] = ()  # of the links' bytes only (modes with no comm report)
+
+    def with_deepspeed(self) -> Suite:
+        """This suite with DeepSpeed's modes, ratios and notes added (--deepspeed), and zeroray's hpZ where the
+        suite lacks it, to set beside DeepSpeed's."""
+        hpz = () if "zeroray-hpz-s3" in self.modes else ("zeroray-hpz-s3",)
+        return dataclasses.replace(self, modes=self.modes + hpz + tuple(DEEPSPEED_MODES),
+                                   ratios=self.ratios + DEEPSPEED_RATIOS,
+                                   link_ratios=self.link_ratios + DEEPSPEED_LINK_RATIOS,
+                                   notes=self.notes + DEEPSPEED_NOTES)
 
 
 SUITES = {
@@ -160,7 +212,8 @@ def plot(md: Path, png: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for label, points in sorted(series.items()):
         xs, ys = zip(*sorted(points), strict=True)
-        ax.plot(xs, ys, marker="o", linestyle="--" if "FSDP2" in label else "-", label=label)
+        style = "--" if "FSDP2" in label else ":" if "DeepSpeed" in label else "-"
+        ax.plot(xs, ys, marker="o", linestyle=style, label=label)
     ax.set_xscale("log")
     ax.set_xlabel(f"link bandwidth per node, Gbit/s (unshaped veth: ~{UNSHAPED_GBIT:.0f})")
     ax.set_ylabel("step time, s (median, slowest rank)")
@@ -192,6 +245,23 @@ def _zeroray_step(engine: Any, x: Any, y: Any) -> None:
     engine.step()
 
 
+def _deepspeed_engine(model: Any, mode: str, rank: int, batch: int, world: int) -> Any:
+    """DeepSpeed's ZeRO-3 engine for ``mode`` on the ranks' gloo group: deepspeed.init_distributed finds the
+    default group initialized and wraps it, so DeepSpeed's traffic takes the same links as the other modes'.
+    LOCAL_RANK (the rank's place in its node), which DeepSpeed asserts and a launcher would set, is set here."""
+    import deepspeed
+    import torch
+
+    os.environ.setdefault("LOCAL_RANK", str(rank % RANKS_PER_NODE))
+    deepspeed.init_distributed(dist_backend="gloo")
+    config = {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1,
+              "train_batch_size": batch * world, "zero_optimization": {**DEEPSPEED_ZERO3, **DEEPSPEED_MODES[mode]},
+              "zero_allow_untested_optimizer": True}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+    return engine
+
+
 def _torch_step(model: Any, opt: Any, x: Any, y: Any) -> None:
     _, loss = model(x, y)
     loss.backward()
@@ -199,7 +269,7 @@ def _torch_step(model: Any, opt: Any, x: Any, y: Any) -> None:
     opt.zero_grad()
 
 
-def build_mode(rank: int, world: int, mode: str, params: float) -> dict[str, Any]:
+def build_mode(rank: int, world: int, mode: str, params: float, batch: int) -> dict[str, Any]:
     """The GPT (seed 0) wrapped for ``mode``: {"step": one training step on (x, y), "engine": zeroray's or
     None, "vocab": the vocabulary size, "setup_s": seconds it took}."""
     import torch
@@ -217,6 +287,8 @@ def build_mode(rank: int, world: int, mode: str, params: float) -> dict[str, Any
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         engine = zeroray.initialize(model, opt, zeroray.ZeroConfig(**ZERORAY_MODES[mode]), nodes=nodes)
         step = functools.partial(_zeroray_step, engine)
+    elif mode.startswith("deepspeed"):  # its engine steps as zeroray's does
+        step = functools.partial(_zeroray_step, _deepspeed_engine(model, mode, rank, batch, world))
     else:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -247,7 +319,7 @@ def bench_case(rank: int, world: int, modes: list[str], params: float, steps: in
     results: dict[str, Any] = {}
     for mode in modes:
         try:
-            runs[mode] = build_mode(rank, world, mode, params)
+            runs[mode] = build_mode(rank, world, mode, params, batch)
         except Exception as e:  # noqa: BLE001 - a benchmark reports a failing mode and goes on
             results[mode] = {"error": f"{type(e).__name__}: {e}"[:500]}
         dist.barrier()
@@ -371,8 +443,9 @@ def render(rows: list[tuple[str, str, str, dict[str, Any]]], args: argparse.Name
     lines += ratio_table("Ratios of step times (median, slowest rank):", suite.ratios, "seconds")
     if suite.byte_ratios:
         lines += ratio_table("Ratios of inter-node bytes per step, comm_report (rank 0):", suite.byte_ratios, "inter")
+    if suite.byte_ratios or suite.link_ratios:
         lines += ratio_table("Ratios of bytes that crossed the links per step (NIC counters, all nodes):",
-                             suite.byte_ratios, "link")
+                             suite.byte_ratios + suite.link_ratios, "link")
     lines += [
         "",
         "Columns:",
@@ -415,11 +488,13 @@ def main() -> None:
                         help="the modes, cases, ratios and results file: hybrid (issue 30) or zeropp (issue 33)")
     parser.add_argument("--cases", help="comma-separated <nodes>x<ranks a node>:<none|1gbit|10gbit> (default: the suite's)")
     parser.add_argument("--modes", help=f"comma-separated, of {', '.join(MODE_NAMES)} (default: the suite's)")
+    parser.add_argument("--deepspeed", action="store_true",
+                        help=f"add DeepSpeed's modes ({', '.join(DEEPSPEED_MODES)}) to the suite's")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds a case may run")
     parser.add_argument("--out", type=Path, help="results markdown (default: the suite's)")
     parser.add_argument("--plot-only", action="store_true", help="redraw the plot from --out and stop")
     args = parser.parse_args()
-    suite = SUITES[args.suite]
+    suite = SUITES[args.suite].with_deepspeed() if args.deepspeed else SUITES[args.suite]
     args.out = args.out or suite.out
     args.cases = args.cases or suite.cases
     args.modes = args.modes or ",".join(suite.modes)
@@ -437,6 +512,8 @@ def main() -> None:
     unknown = [m for m in modes if m not in MODE_NAMES]
     if unknown:
         raise SystemExit(f"unknown modes {unknown}: expected some of {list(MODE_NAMES)}")
+    if any(m in DEEPSPEED_MODES for m in modes) and importlib.util.find_spec("deepspeed") is None:
+        raise SystemExit("DeepSpeed modes asked for, but deepspeed is not installed (pip install deepspeed)")
     cases = []
     for spec in args.cases.split(","):
         shape, link = spec.split(":")
@@ -459,7 +536,8 @@ def main() -> None:
             t_case = time.time()
             try:
                 per_rank = run_ranks(net, placement, bench_case, modes, args.params, args.steps, args.warmup,
-                                     args.batch, args.seq, timeout_s=args.timeout)
+                                     args.batch, args.seq, timeout_s=args.timeout,
+                                     env={"DS_ACCELERATOR": "cpu"})  # read only by DeepSpeed's modes
             except (RuntimeError, TimeoutError) as e:  # the case is lost (every mode in it), the rest run
                 per_rank = None
                 case_error = f"{type(e).__name__}: {str(e).splitlines()[0]}"[:300]
