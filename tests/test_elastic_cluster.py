@@ -2,7 +2,9 @@
 added (a planned resize: 0 steps lost, the old ranks keep their processes), shrinks when a node is removed
 without warning (at most the steps since the last checkpoint lost; the survivors keep their processes),
 reshards its ZeRO-3 checkpoint across world sizes 2 -> 3 -> 2, and ends with the same parameters and
-per-step losses as a fixed-size run on the same global batch and samples.
+per-step losses as a fixed-size run on the same global batch and samples. Its data come from a
+``zt.DistributedSampler``: every step's global batch, as the ranks took it, is the fixed-size run's, through the
+grow, the lost node and the shrink (issue 32's record of sample ids).
 
 With in-memory snapshots (``FailureConfig.snapshot_interval=1``) the same run loses no step to the lost node:
 the survivors rebuild the group of 3's state at step 10 from their memory, resharded to 2. Storage plays no
@@ -136,6 +138,7 @@ def test_elastic_run_grows_and_shrinks_with_nodes_and_matches_a_fixed_run(tmp_pa
 
     # Parity with the fixed-size run: the last loss recorded for each step (steps 9 and 10 ran twice).
     elastic.assert_matches_reference(out["history"], torch.load(tmp_path / "control" / "final.pt"), STEPS, RTOL)
+    elastic.assert_same_samples(out["history"])  # zt.DistributedSampler: through the grow, the kill and the shrink
 
 
 if __name__ == "__main__":

@@ -136,6 +136,7 @@ def test_a_grow_a_drain_and_a_lost_node_resume_from_the_replicas_with_no_checkpo
     assert out["left"] == {"actors": [], "pgs": []}
 
     elastic.assert_matches_reference(out["history"], torch.load(tmp_path / "control" / "final.pt"), STEPS, RTOL)
+    elastic.assert_same_samples(out["history"])  # zt.DistributedSampler: through the grow, the kill and the shrink
 
 
 if __name__ == "__main__":

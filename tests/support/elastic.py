@@ -37,14 +37,16 @@ def optimizer(m: torch.nn.Module) -> torch.optim.Optimizer:
 
 
 def train_step(engine: Any, ctx: Any, x: torch.Tensor, y: torch.Tensor,
-               after_micro: Callable[[int], None] | None = None) -> float:
+               after_micro: Callable[[int], None] | None = None, batches: Iterator[Any] | None = None) -> float:
     """One optimizer step (``engine.global_step``) over this rank's micro-batches of the global batch; the
-    global batch's mean loss (all-reduced). ``after_micro(micro)`` runs after each micro-batch's step."""
+    global batch's mean loss (all-reduced). ``after_micro(micro)`` runs after each micro-batch's step.
+    ``batches``: the micro-batches' sample indices (a DataLoader over a ``zt.DistributedSampler``), else
+    ``ctx.sample_indices``."""
     import torch.distributed as dist
 
     step, total = engine.global_step, torch.zeros(())
     for micro in range(engine.gradient_accumulation_steps):
-        idx = list(ctx.sample_indices(step, micro))
+        idx = [int(i) for i in next(batches)] if batches is not None else list(ctx.sample_indices(step, micro))
         loss = ((engine(x[idx]) - y[idx]) ** 2).mean()
         engine.backward(loss)
         engine.step()
@@ -56,20 +58,27 @@ def train_step(engine: Any, ctx: Any, x: torch.Tensor, y: torch.Tensor,
 
 
 def run_loop(control: Path, steps: int, checkpoint_every: int, holds: Callable[[int, int], bool]) -> None:
-    """The elastic tests' loop: train ``steps`` steps, a checkpoint every ``checkpoint_every``; where
-    ``holds(world, step)``, rank 0 writes ``held-<world>-<step>`` into ``control`` and the group keeps reporting
-    until a recovery point (a grow's, a drain's) stops the loop or a lost node fails it; at the end rank 0 saves
-    the full weights as ``final.pt``."""
+    """The elastic tests' loop: train ``steps`` steps on the samples a ``zt.DistributedSampler`` (in order, one
+    epoch) hands out, a checkpoint every ``checkpoint_every``; each report says the step's global batch as the
+    ranks took it (``samples``, ranks in order). Where ``holds(world, step)``, rank 0 writes
+    ``held-<world>-<step>`` into ``control`` and the group keeps reporting until a recovery point (a grow's, a
+    drain's) stops the loop or a lost node fails it; at the end rank 0 saves the full weights as ``final.pt``."""
+    import torch.distributed as dist
+
     import zeroray.train as zt
 
     ctx = zt.get_context()
+    x, y = data(steps)
+    sampler = zt.DistributedSampler(list(range(len(x))), shuffle=False)  # made before zt.prepare: it resumes it
     m = model()
     engine = zt.prepare(m, optimizer(m))
-    x, y = data(steps)
+    batches = iter(torch.utils.data.DataLoader(list(range(len(x))), batch_size=MICRO, sampler=sampler))
     while engine.global_step < steps:
-        step = engine.global_step
-        loss = train_step(engine, ctx, x, y)
-        zt.report({"loss": loss, "step": step + 1, "world": ctx.get_world_size()},
+        step, taken = engine.global_step, []
+        loss = train_step(engine, ctx, x, y, batches=_recorded(batches, taken))
+        everyone: list[Any] = [None] * ctx.get_world_size()
+        dist.all_gather_object(everyone, taken)
+        zt.report({"loss": loss, "step": step + 1, "world": ctx.get_world_size(), "samples": sum(everyone, [])},
                   checkpoint=(step + 1) % checkpoint_every == 0)
         if holds(ctx.get_world_size(), engine.global_step):
             if ctx.get_world_rank() == 0:
@@ -92,6 +101,23 @@ def write_result(out: Path, result: Any, run: str) -> None:
         "history": result.metrics_history,
         "left": left_behind(run),
     }, default=str))
+
+
+def _recorded(batches: Iterator[Any], into: list[int]) -> Iterator[Any]:
+    """``batches``, each one's indices appended to ``into`` as it is taken."""
+    for batch in batches:
+        into.extend(int(i) for i in batch)
+        yield batch
+
+
+def assert_same_samples(history: list[dict[str, Any]]) -> None:
+    """Every step's global batch, in every report of it (the steps redone after a failure too), is the one a
+    fixed-size run takes: step s (1-based) is samples ``[(s-1)B, sB)``, whatever the world size."""
+    records = [h for h in history if "samples" in h]
+    assert records
+    for h in records:
+        s = h["step"] - 1
+        assert h["samples"] == list(range(s * GLOBAL_BATCH, (s + 1) * GLOBAL_BATCH)), (h["step"], h["world"], h["samples"])
 
 
 def reference(steps: int) -> tuple[dict[str, torch.Tensor], list[float]]:
