@@ -28,10 +28,17 @@ def _runs(rank: int, world: int, cases: list[dict]) -> list[tuple]:
     return [zero_run(copy.deepcopy(init), data, 3, c.pop("precision"), **c) for c in copy.deepcopy(cases)]
 
 
+@pytest.fixture(scope="module")
+def flat_and_hpz() -> list[list[tuple]]:
+    """Flat stage 3 and hpZ over 2, in fp32 then in bf16, on one group of 4: per rank, the four runs in that order."""
+    cases = [{"precision": p, **hpz} for p in ("fp32", "bf16") for hpz in ({}, {"hpz_partition_size": 2})]
+    return run_ranks(_runs, 4, cases)
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_hpz_equals_flat_stage_3_bit_for_bit(precision: str) -> None:
-    cases = [{"precision": precision}, {"precision": precision, "hpz_partition_size": 2}]
-    for flat, hpz in run_ranks(_runs, 4, cases):
+def test_hpz_equals_flat_stage_3_bit_for_bit(flat_and_hpz: list[list[tuple]], precision: str) -> None:
+    first = 0 if precision == "fp32" else 2
+    for flat, hpz in (runs[first:first + 2] for runs in flat_and_hpz):
         assert flat[0] == hpz[0]  # losses
         assert flat[2] == hpz[2]  # gradient norms
         for name in flat[1]:
@@ -60,11 +67,33 @@ def _scoped(rank: int, world: int, hpz: int | None) -> dict:
     return out
 
 
-def test_backward_gathers_stay_inside_the_node_and_the_copy_is_counted() -> None:
+def _refused(rank: int, world: int, cfg: ZeroConfig) -> str:
+    model = TinyLM()
+    try:
+        zeroray.initialize(model, optimizer(model), cfg)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def _world_4(rank: int, world: int) -> dict:
+    """The runs of world 4 that need no other world: flat and hpZ on two nodes, then an hpZ that does not divide
+    the shard group (refused before any collective work)."""
+    return {"flat": _scoped(rank, world, None), "hpz": _scoped(rank, world, 2),
+            "refused": _refused(rank, world, ZeroConfig(stage=3, hpz_partition_size=3))}
+
+
+@pytest.fixture(scope="module")
+def world_4() -> list[dict]:
+    """:func:`_world_4` on one group of 4 processes (one spawn, not one per run)."""
+    return run_ranks(_world_4, 4)
+
+
+def test_backward_gathers_stay_inside_the_node_and_the_copy_is_counted(world_4: list[dict]) -> None:
     """Flat stage 3 on 2 nodes x 2 ranks: every gather spans the nodes. With hpZ over the 2 ranks of a
     node, the units' backward gathers (all their bytes of one pass per micro-step) move inside the node;
     the total stays the same. The copy is 1/h of each group in bf16, in memory_report and the estimate."""
-    flat, hpz = run_ranks(_scoped, 4, None)[0], run_ranks(_scoped, 4, 2)[0]
+    flat, hpz = world_4[0]["flat"], world_4[0]["hpz"]
     gathered = flat["scoped"]["inter_node:all_gather"]
     assert "intra_node:all_gather" not in flat["scoped"]
     backward = GAS * flat["unit_numel"] * 2  # bf16: one backward gather of every unit per micro-step
@@ -79,17 +108,8 @@ def test_backward_gathers_stay_inside_the_node_and_the_copy_is_counted() -> None
     assert est["params_secondary"] == pytest.approx(want, rel=0.02)
 
 
-def _refused(rank: int, world: int, cfg: ZeroConfig) -> str:
-    model = TinyLM()
-    try:
-        zeroray.initialize(model, optimizer(model), cfg)
-    except ValueError as e:
-        return str(e)
-    return "no error"
-
-
-def test_hpz_that_does_not_divide_the_shard_group_fails_before_any_work() -> None:
-    for err in run_ranks(_refused, 4, ZeroConfig(stage=3, hpz_partition_size=3)):
+def test_hpz_that_does_not_divide_the_shard_group_fails_before_any_work(world_4: list[dict]) -> None:
+    for err in (r["refused"] for r in world_4):
         assert "hpz_partition_size 3 does not divide the shard group size 4" in err, err
 
 

@@ -104,13 +104,24 @@ def _bytes(rank: int, world: int, k: int, stage: int) -> dict:
     return out
 
 
+def _bytes_each(rank: int, world: int, k: int, stages: list[int]) -> dict[int, dict]:
+    return {stage: _bytes(rank, world, k, stage) for stage in stages}
+
+
+@pytest.fixture(scope="module")
+def bytes_by_stage() -> list[dict[int, dict]]:
+    """:func:`_bytes` at world 4, k = 2, for stages 1-3 one after the other in one group (each stage's engines
+    count their own bytes): per rank, by stage."""
+    return run_ranks(_bytes_each, 4, 2, [1, 2, 3])
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_bytes_by_scope_follow_the_formulas(stage: int) -> None:
+def test_bytes_by_scope_follow_the_formulas(bytes_by_stage: list[dict[int, dict]], stage: int) -> None:
     """World 4, k = 2 on two nodes: only the all-reduce of each gradient shard over its 2 replicas crosses
     nodes: 2 x (Ψ/k) x 4 bytes per reduction (once per step at stage 1, per micro-step at 2-3). Inside a
     node each shard group moves exactly what the same run flat over that node's k ranks moves."""
-    world, k = 4, 2
-    res = run_ranks(_bytes, world, k, stage)
+    k = 2
+    res = [r[stage] for r in bytes_by_stage]
     psi_trainable = sum(p for p, t in res[0]["padded"].values() if t)
     reductions = 1 if stage == 1 else GAS
     for r in res:
@@ -187,17 +198,29 @@ def _refused(rank: int, world: int, kwargs: dict) -> str:
     return "no error"
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "message"),
-    [
-        ({"config": ZeroConfig(stage=2, shard_group_size=4)}, "shard_group_size 4 does not divide the world size 6"),
-        ({"config": ZeroConfig(stage=2, shard_group_size="auto")}, "shard_group_size 'auto' needs each rank's node"),
-        ({"config": ZeroConfig(stage=2), "nodes": ["a", "b"]}, "nodes names 2 ranks' nodes, but the process group has 6"),
-    ],
-)
-def test_bad_hybrid_input_fails_before_any_work(kwargs: dict, message: str) -> None:
-    for err in run_ranks(_refused, 6, kwargs):
-        assert message in err, err
+BAD_HYBRID = [
+    ({"config": ZeroConfig(stage=2, shard_group_size=4)}, "shard_group_size 4 does not divide the world size 6"),
+    ({"config": ZeroConfig(stage=2, shard_group_size="auto")}, "shard_group_size 'auto' needs each rank's node"),
+    ({"config": ZeroConfig(stage=2), "nodes": ["a", "b"]}, "nodes names 2 ranks' nodes, but the process group has 6"),
+]
+
+
+def _refused_each(rank: int, world: int, cases: list[dict]) -> list[str]:
+    return [_refused(rank, world, kwargs) for kwargs in cases]
+
+
+@pytest.fixture(scope="module")
+def refusals() -> list[list[str]]:
+    """Every case of BAD_HYBRID, one after the other in one group of 6 (a refusal does no collective work, so
+    the next case meets an untouched group): per rank, each case's error."""
+    return run_ranks(_refused_each, 6, [kwargs for kwargs, _ in BAD_HYBRID])
+
+
+@pytest.mark.parametrize("case", range(len(BAD_HYBRID)), ids=[message for _, message in BAD_HYBRID])
+def test_bad_hybrid_input_fails_before_any_work(refusals: list[list[str]], case: int) -> None:
+    message = BAD_HYBRID[case][1]
+    for errors in refusals:
+        assert message in errors[case], errors[case]
 
 
 @pytest.mark.parametrize(

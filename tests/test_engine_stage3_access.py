@@ -1,10 +1,11 @@
 """Stage 3: touching parameters outside forward/backward never crashes (issue #8).
 
-Every case runs in its own spawned process: a SIGSEGV there fails the test instead of killing
-pytest. Every torch call that would read or write a freed parameter raises an error naming it and
-the way out (``engine.gathered_parameters()``), metadata works, ``print`` describes the shard, and
-state_dict, load_state_dict, a parameter used outside its unit and a second initialize get errors
-of their own.
+The touching cases run in a spawned process (one for all of them, each case on a model and engine
+of its own: a process each cost a fork, a process group and the module's import fifteen times): a
+SIGSEGV there fails the tests instead of killing pytest. Every torch call that would read or write a
+freed parameter raises an error naming it and the way out (``engine.gathered_parameters()``),
+metadata works, ``print`` describes the shard, and state_dict, load_state_dict, a parameter used
+outside its unit and a second initialize get errors of their own.
 """
 
 from __future__ import annotations
@@ -85,29 +86,39 @@ def _touch(rank: int, world: int, case: str) -> str:
     raise AssertionError(case)
 
 
-@pytest.mark.parametrize(
-    "case, expect",
-    [
-        ("sum", "error zeroray stage 3: parameter 'h.0.fc.weight' of unit 'h.0' is sharded across ranks and not gathered now, so sum() cannot use it. On every rank, use it inside `with engine.gathered_parameters([p]):`"),
-        ("print", "printed Parameter(zeroray stage-3 shard of 'h.0.fc.weight' in unit 'h.0', not gathered: shape=(40, 13)"),
-        ("clone", "error zeroray stage 3: parameter 'h.0.fc.weight' of unit 'h.0' is sharded across ranks and not gathered now, so detach() cannot use it"),
-        ("copy_", "error zeroray stage 3: parameter 'h.0.fc.weight' of unit 'h.0' is sharded across ranks and not gathered now, so copy_() cannot use it"),
-        ("data", "error zeroray stage 3: parameter 'h.0.fc.weight' of unit 'h.0' is sharded across ranks and not gathered now, so .data cannot use it"),
-        ("ema", "error zeroray stage 3: parameter 'h.0.fc.weight' of unit 'h.0' is sharded across ranks and not gathered now, so add_() cannot use it"),
-        ("deepcopy", "error zeroray stage 3: parameter 'wpe' of unit 'root' is sharded across ranks and not gathered now, so .data"),
-        ("metadata", "metadata (40, 13) 520 torch.float32 True None 2"),
-        ("inside_gathered", "inside True"),
-        ("closed", "closed True True"),
-        ("clip_grad_norm_", "norm 0.0"),  # zeroray keeps no .grad on parameters; engine.last_grad_norm
-        ("state_dict", "error zeroray stage 3: 'wpe' is sharded across ranks, so module.state_dict()"),
-        ("torch.save", "error zeroray stage 3: 'wpe' is sharded across ranks, so module.state_dict()"),
-        ("load_state_dict", "error zeroray stage 3: 'wpe' is sharded across ranks, so load_state_dict()"),
-        ("initialize_again", "error this TinyLM (or a module in it) is already held by a ZeroEngine; call engine.close() first"),
-    ],
-)
-def test_touching_a_freed_parameter_does_not_crash(case: str, expect: str) -> None:
-    (got,) = run_ranks(_touch, 1, case)
-    assert got.startswith(expect), got
+TOUCHES = [
+    ("sum", "error zeroray stage 3: parameter 'h.0.fc.weight' of unit 'h.0' is sharded across ranks and not gathered now, so sum() cannot use it. On every rank, use it inside `with engine.gathered_parameters([p]):`"),
+    ("print", "printed Parameter(zeroray stage-3 shard of 'h.0.fc.weight' in unit 'h.0', not gathered: shape=(40, 13)"),
+    ("clone", "error zeroray stage 3: parameter 'h.0.fc.weight' of unit 'h.0' is sharded across ranks and not gathered now, so detach() cannot use it"),
+    ("copy_", "error zeroray stage 3: parameter 'h.0.fc.weight' of unit 'h.0' is sharded across ranks and not gathered now, so copy_() cannot use it"),
+    ("data", "error zeroray stage 3: parameter 'h.0.fc.weight' of unit 'h.0' is sharded across ranks and not gathered now, so .data cannot use it"),
+    ("ema", "error zeroray stage 3: parameter 'h.0.fc.weight' of unit 'h.0' is sharded across ranks and not gathered now, so add_() cannot use it"),
+    ("deepcopy", "error zeroray stage 3: parameter 'wpe' of unit 'root' is sharded across ranks and not gathered now, so .data"),
+    ("metadata", "metadata (40, 13) 520 torch.float32 True None 2"),
+    ("inside_gathered", "inside True"),
+    ("closed", "closed True True"),
+    ("clip_grad_norm_", "norm 0.0"),  # zeroray keeps no .grad on parameters; engine.last_grad_norm
+    ("state_dict", "error zeroray stage 3: 'wpe' is sharded across ranks, so module.state_dict()"),
+    ("torch.save", "error zeroray stage 3: 'wpe' is sharded across ranks, so module.state_dict()"),
+    ("load_state_dict", "error zeroray stage 3: 'wpe' is sharded across ranks, so load_state_dict()"),
+    ("initialize_again", "error this TinyLM (or a module in it) is already held by a ZeroEngine; call engine.close() first"),
+]
+
+
+def _touch_each(rank: int, world: int, cases: list[str]) -> dict[str, str]:
+    return {case: _touch(rank, world, case) for case in cases}
+
+
+@pytest.fixture(scope="module")
+def touched() -> dict[str, str]:
+    """Every case of TOUCHES, one after the other in one spawned process: what each case gave."""
+    (got,) = run_ranks(_touch_each, 1, [case for case, _ in TOUCHES])
+    return got
+
+
+@pytest.mark.parametrize("case, expect", TOUCHES)
+def test_touching_a_freed_parameter_does_not_crash(touched: dict[str, str], case: str, expect: str) -> None:
+    assert touched[case].startswith(expect), touched[case]
 
 
 def _state_dict_inside_gathered(rank: int, world: int) -> dict:
@@ -147,10 +158,15 @@ def _gathered_modifier(rank: int, world: int, stage: int, precision: str) -> dic
     return {"before": before, "seen": seen, "after": after, "everything": everything, "trained": engine.full_state_dict()}
 
 
+def _gathered_modifier_each(rank: int, world: int, stage: int, precisions: list[str]) -> dict[str, dict]:
+    return {precision: _gathered_modifier(rank, world, stage, precision) for precision in precisions}
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_gathered_parameters_with_modifier_rank_reaches_every_shard_and_master(stage: int) -> None:
+    by_rank = run_ranks(_gathered_modifier_each, 2, stage, ["fp32", "bf16"])  # one group for both precisions
     for precision in ("fp32", "bf16"):
-        results = run_ranks(_gathered_modifier, 2, stage, precision)
+        results = [r[precision] for r in by_rank]
         for r in results:
             dtype = torch.float32 if precision == "fp32" else torch.bfloat16  # the compute copy's values
             torch.testing.assert_close(r["seen"], r["before"]["h.1.fc.weight"].to(dtype).float(), rtol=0, atol=0)
