@@ -59,13 +59,19 @@ class BlockQuantizer:
         nb, padded, cb = self.blocks(n), self.blocks(n) * self.block, self.code_bytes(n)
         if out is None:
             out = torch.empty(rows, self.row_bytes(n), dtype=torch.uint8, device=x.device)
-        values = torch.empty(*x.shape[:-1], padded, dtype=torch.float32, device=x.device)
-        values[..., :n].copy_(x)
-        values[..., n:].zero_()
-        blocks = values.view(rows, nb, self.block)
-        scale = blocks.abs().amax(-1).div_(self.qmax)  # (rows, nb); inf or nan where the block has one
+        if padded == n:  # whole blocks: read x where it lies, with no padded fp32 copy of it
+            blocks = x.reshape(rows, nb, self.block)
+        else:
+            values = torch.empty(*x.shape[:-1], padded, dtype=torch.float32, device=x.device)
+            values[..., :n].copy_(x)
+            values[..., n:].zero_()
+            blocks = values.view(rows, nb, self.block)
+        # Each block's largest magnitude as max(max, -min), with no |x| tensor (a pass and an allocation fewer);
+        # abs_ makes a block of -0.0 scale +0.0, as |x| would. (rows, nb); inf or nan where the block has one.
+        scale = torch.maximum(blocks.amax(-1), blocks.amin(-1).neg()).to(torch.float32).abs_().div_(self.qmax)
         inv = torch.where(scale > 0, scale.reciprocal(), torch.zeros((), dtype=scale.dtype, device=scale.device))
-        codes = blocks.mul_(inv.unsqueeze(-1)).round_().clamp_(-self.qmax, self.qmax).view(rows, padded)
+        # In fp32 whatever x's dtype (type promotion), so the codes are those of x converted first.
+        codes = torch.mul(blocks, inv.unsqueeze(-1)).round_().clamp_(-self.qmax, self.qmax).view(rows, padded)
         if self.bits == 8:
             out[:, :cb].view(torch.int8).copy_(codes)
         else:  # two codes a byte: the first in the low nibble
