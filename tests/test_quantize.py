@@ -43,6 +43,26 @@ def test_each_element_is_within_half_a_step_of_its_value(bits: int, n: int, dtyp
     assert float(err.max()) > 0  # it does quantize
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_whole_blocks_quantize_as_the_padded_path_does(bits: int, dtype: torch.dtype) -> None:
+    """Rows of whole blocks are read where they lie (no padded copy); one value more takes the padded path.
+    The full blocks' codes and scales are bit for bit the same, also for strided rows, inf, nan and -0.0."""
+    q = BlockQuantizer(bits, 64)
+    x = torch.randn(3, 4 * 64 + 1, generator=torch.Generator().manual_seed(bits)) * 30
+    x[0, 5], x[1, 70], x[2, 130] = float("inf"), float("-inf"), float("nan")
+    x[1, :64] = -0.0  # a block of negative zeros scales +0.0
+    x = x.to(dtype)
+    whole, padded = q.quantize(x[:, :256]), q.quantize(x)
+    cb = q.code_bytes(256)
+    assert torch.equal(whole[:, :cb], padded[:, :cb])
+    scales, more = whole[:, cb:].view(torch.float32), padded[:, q.code_bytes(257):].view(torch.float32)[:, :4]
+    assert torch.equal(scales.isnan(), more.isnan()) and torch.equal(scales.nan_to_num(), more.nan_to_num())
+    assert not scales[1, 0].signbit() and scales[1, 0] == 0
+    strided = torch.cat([x[:, :256], x[:, :256]], dim=1)[:, ::2]  # every other value: a strided (3, 256) view
+    assert torch.equal(q.quantize(strided), q.quantize(strided.contiguous()))
+
+
 def test_codes_scales_and_nibble_order() -> None:
     x = torch.tensor([[1.0, -2.0, 0.5, 0.0, 2.0, -1.0, 0.25, 1.5]])
     q8 = BlockQuantizer(8, 8).quantize(x)
