@@ -22,7 +22,6 @@ machine's speed.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -41,7 +40,6 @@ RTOL = 1e-6
 # Ray's health check here (conftest: 500 ms x 3, 1 s timeout) plus the controller's wait for the root cause; a
 # bound that says "within the health-check window", not a speed claim.
 NODE_LOSS_BOUND_S = 20.0
-REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def _elastic_loop(config):
@@ -82,7 +80,7 @@ def _host(out: Path, recovery: str) -> None:
             cluster.add_node(num_cpus=1)
         with open(out / "driver.log", "w") as log:
             proc = subprocess.Popen([sys.executable, "-m", "tests.test_elastic_cluster", "drive", cluster.address,
-                                     str(out), recovery], cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
+                                     str(out), recovery], cwd=elastic.REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
             try:
                 elastic.wait_for(control / "held-2-5", proc)  # 2 nodes: a group of 2 (max 4), held at step 5
                 third = cluster.add_node(num_cpus=1)  # -> grows to 3 at the next check, from a recovery point at 5
@@ -104,18 +102,10 @@ def _host(out: Path, recovery: str) -> None:
 @pytest.mark.parametrize("recovery", [pytest.param("storage", marks=pytest.mark.slow), "memory"])
 def test_elastic_run_grows_and_shrinks_with_nodes_and_matches_a_fixed_run(tmp_path, recovery):
     (tmp_path / "control").mkdir()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
-    host = subprocess.run([sys.executable, "-m", "tests.test_elastic_cluster", "host", str(tmp_path), recovery],
-                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900)
-    log = tmp_path / "driver.log"
-    driver_log = log.read_text()[-6000:] if log.exists() else ""
-    assert host.returncode == 0 and (tmp_path / "result.json").exists(), (
-        f"host exited {host.returncode}:\n{host.stdout[-3000:]}{host.stderr[-3000:]}\ndriver:\n{driver_log}")
-    removed = json.loads((tmp_path / "host.json").read_text())
+    removed = elastic.run_host("tests.test_elastic_cluster", tmp_path, recovery, timeout_s=900)
     out = json.loads((tmp_path / "result.json").read_text())
     attempts = out["attempts"]
-    summary = [(a["world_size"], a["start_step"], a["last_step"], a["end"], a["steps_lost"], a["recovered_from"])
-               for a in attempts]
+    summary = elastic.summary(attempts)
     if recovery == "storage":
         assert summary == [
             (2, 0, 5, "resize_up", 0, None),  # planned: a recovery point at step 5, nothing lost

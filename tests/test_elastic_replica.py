@@ -24,7 +24,6 @@ chosen steps until the group changes, so each node event lands at a known step.
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -37,7 +36,6 @@ from tests.support import elastic
 STEPS, CHECKPOINT_EVERY = 16, 4
 HOLDS = (5, 10, 13)  # the group that trains these steps holds after them until it is replaced: grow, drain, loss
 RTOL = 1e-6
-REPO_ROOT = Path(__file__).resolve().parent.parent
 
 def _loop(config):
     # A group resumed at a hold step trains the next one before it looks.
@@ -76,7 +74,7 @@ def _host(out: Path) -> None:
         cluster.add_node(num_cpus=2)
         with open(out / "driver.log", "w") as log:
             proc = subprocess.Popen([sys.executable, "-m", "tests.test_elastic_replica", "drive", cluster.address,
-                                     str(out)], cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
+                                     str(out)], cwd=elastic.REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
             try:
                 elastic.wait_for(control / "held-4-5", proc)
                 spoiled = elastic.spoil_checkpoints(runs)
@@ -101,18 +99,11 @@ def _host(out: Path) -> None:
 
 def test_a_grow_a_drain_and_a_lost_node_resume_from_the_replicas_with_no_checkpoint(tmp_path):
     (tmp_path / "control").mkdir()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
-    host = subprocess.run([sys.executable, "-m", "tests.test_elastic_replica", "host", str(tmp_path)],
-                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
-    log = tmp_path / "driver.log"
-    driver_log = log.read_text() if log.exists() else ""
-    assert host.returncode == 0 and (tmp_path / "result.json").exists(), (
-        f"host exited {host.returncode}:\n{host.stdout[-3000:]}{host.stderr[-3000:]}\ndriver:\n{driver_log[-6000:]}")
-    host_out = json.loads((tmp_path / "host.json").read_text())
+    host_out = elastic.run_host("tests.test_elastic_replica", tmp_path)
+    driver_log = (tmp_path / "driver.log").read_text()
     out = json.loads((tmp_path / "result.json").read_text())
     attempts = out["attempts"]
-    summary = [(a["world_size"], a["start_step"], a["last_step"], a["end"], a["steps_lost"], a["recovered_from"])
-               for a in attempts]
+    summary = elastic.summary(attempts)
     assert summary == [
         (4, 0, 5, "resize_up", 0, None),  # the grow's recovery point at step 5: the live replicas
         (6, 5, 10, "preempted", 0, "replica"),  # the new node's ranks got their shards from the old ranks' memory

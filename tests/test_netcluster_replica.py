@@ -110,8 +110,7 @@ def test_a_lost_node_is_recovered_from_its_replicas(tmp_path: Path) -> None:
     assert spoiled, "the step-2 checkpoint was not written"
     assert json.loads((control / "held").read_text())["micro_step"] % 3 == 1  # inside step 5 (3 micro-batches)
     attempts = out["attempts"]
-    summary = [(a["world_size"], a["start_step"], a["last_step"], a["end"], a["steps_lost"], a["recovered_from"])
-               for a in attempts]
+    summary = elastic.summary(attempts)
     assert summary == [
         (4, 0, HOLD_STEP - 1, "failure", 0, None),  # the node died inside step 5: step 4 was complete
         (2, HOLD_STEP - 1, STEPS, "finished", 0, "replica"),  # step 4 from the surviving replicas' memory

@@ -34,7 +34,6 @@ from tests.support import elastic
 
 STEPS, HOLD_AT, CHECKPOINT_EVERY = 10, 5, 4
 DRAIN_DEADLINE_S = 60
-REPO_ROOT = Path(__file__).resolve().parent.parent
 # tag -> (ScalingConfig.num_workers, FailureConfig kwargs, the steps at which a group holds for a notice)
 RUNS = {
     "reference": ((1, 2), {}, []),
@@ -110,7 +109,7 @@ def _host(out: Path) -> None:
             cluster.add_node(num_cpus=1)
         with open(out / "driver.log", "w") as log:
             proc = subprocess.Popen([sys.executable, "-m", "tests.test_preemption", "drive", cluster.address, str(out)],
-                                    cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
+                                    cwd=elastic.REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
             try:
                 for tag, step in NOTICES:
                     elastic.wait_for(control / f"{tag}-{step}-rank-1", proc)
@@ -133,25 +132,14 @@ def _host(out: Path) -> None:
                     proc.wait(timeout=30)
 
 
-def _summary(run: dict) -> list[tuple]:
-    return [(a["world_size"], a["start_step"], a["last_step"], a["end"], a["steps_lost"], a["recovered_from"])
-            for a in run["attempts"]]
-
-
 def _losses(run: dict) -> list[tuple[int, float]]:
     return [(e["step"], e["loss"]) for e in run["history"] if "loss" in e]
 
 
 def test_preemption_notices_lose_no_step_and_count_apart(tmp_path):
     (tmp_path / "control").mkdir()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
-    host = subprocess.run([sys.executable, "-m", "tests.test_preemption", "host", str(tmp_path)], cwd=REPO_ROOT,
-                          env=env, capture_output=True, text=True, timeout=600)
-    log = tmp_path / "driver.log"
-    driver_log = log.read_text() if log.exists() else ""
-    assert host.returncode == 0 and (tmp_path / "short.json").exists(), (
-        f"host exited {host.returncode}:\n{host.stdout[-3000:]}{host.stderr[-3000:]}\ndriver:\n{driver_log[-6000:]}")
-    sent = json.loads((tmp_path / "host.json").read_text())
+    sent = elastic.run_host("tests.test_preemption", tmp_path, done="short.json")
+    driver_log = (tmp_path / "driver.log").read_text()
     runs = {tag: json.loads((tmp_path / f"{tag}.json").read_text()) for tag in RUNS}
     reference = _losses(runs["reference"])
     assert [s for s, _ in reference] == list(range(1, STEPS + 1))
@@ -165,7 +153,7 @@ def test_preemption_notices_lose_no_step_and_count_apart(tmp_path):
     assert noticed["nodes"] == [sent["drain"]["node"]] and noticed["ranks"] == [1], noticed
     deadline_s = noticed["deadline_ms"] / 1000
     assert abs(deadline_s - (sent["drain"]["at"] + DRAIN_DEADLINE_S)) < 10, (noticed, sent)
-    assert _summary(drain) == [(2, 0, HOLD_AT + 1, "preempted", 0, None),
+    assert elastic.summary(drain["attempts"]) == [(2, 0, HOLD_AT + 1, "preempted", 0, None),
                                (2, HOLD_AT + 1, STEPS, "finished", 0, "memory")], drain["attempts"]
     first = drain["attempts"][0]
     assert first["node"] == sent["drain"]["node"] and first["ended_at"] < deadline_s, first
@@ -175,7 +163,7 @@ def test_preemption_notices_lose_no_step_and_count_apart(tmp_path):
 
     # SIGTERM to a rank with the default grace: a checkpoint (snapshots off), 0 steps lost, bitwise the same.
     sigterm = runs["sigterm"]
-    assert _summary(sigterm) == [(2, 0, HOLD_AT + 1, "preempted", 0, None),
+    assert elastic.summary(sigterm["attempts"]) == [(2, 0, HOLD_AT + 1, "preempted", 0, None),
                                  (2, HOLD_AT + 1, STEPS, "finished", 0, "storage")], sigterm["attempts"]
     assert f"checkpoint at step {HOLD_AT + 1}" in sigterm["attempts"][0]["message"]
     assert sigterm["attempts"][1]["kept_ranks"] == 1  # rank 0 kept; the SIGTERMed process is not reused
@@ -186,7 +174,7 @@ def test_preemption_notices_lose_no_step_and_count_apart(tmp_path):
     # checkpoint 4 as after a crash (steps 5 and 6 redone, to the same bits). Preemptions count apart: the second
     # notice is one more than max_preemption_failures=1 and ends the run, with max_failures=3 unused.
     short = runs["short"]
-    assert _summary(short) == [(2, 0, HOLD_AT + 1, "preempted", HOLD_AT + 1 - 4, None),
+    assert elastic.summary(short["attempts"]) == [(2, 0, HOLD_AT + 1, "preempted", HOLD_AT + 1 - 4, None),
                                (2, 4, 9, "preempted", None, "storage")], short["attempts"]
     assert short["attempts"][0]["message"].startswith(f"rank(s) [1] preempted: no recovery point at step {HOLD_AT + 1}")
     assert "the deadline is too short for a recovery point at step 6" in driver_log

@@ -6,7 +6,10 @@ in the same steps), the single-process reference such a run must match, and the 
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -15,6 +18,7 @@ from typing import Any
 import torch
 
 GLOBAL_BATCH, MICRO = 24, 2
+REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 # Ray's node health check, tightened (host_cluster's _system_config): a node lost without warning is declared dead
 # after about 3 x 500 ms.
 HEALTH_CHECK_CONFIG = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500,
@@ -94,8 +98,6 @@ def run_loop(control: Path, steps: int, checkpoint_every: int, holds: Callable[[
 def write_result(out: Path, result: Any, run: str) -> None:
     """A subprocess driver's record for the test process: ``out/result.json`` with the attempts, the metrics
     history and what Ray still holds of ``run``."""
-    import json
-
     (out / "result.json").write_text(json.dumps({
         "attempts": [a.as_dict() for a in result.attempt_history],
         "history": result.metrics_history,
@@ -118,6 +120,25 @@ def assert_same_samples(history: list[dict[str, Any]]) -> None:
     for h in records:
         s = h["step"] - 1
         assert h["samples"] == list(range(s * GLOBAL_BATCH, (s + 1) * GLOBAL_BATCH)), (h["step"], h["world"], h["samples"])
+
+
+def run_host(module: str, out: Path, *args: str, done: str = "result.json", timeout_s: float = 600.0) -> dict[str, Any]:
+    """Run ``python -m <module> host <out> *args``, the test's cluster in a process of its own, and assert it ended
+    well with ``out/<done>`` written (else say what the host and the driver printed); returns its ``host.json``."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
+    host = subprocess.run([sys.executable, "-m", module, "host", str(out), *args], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout_s)
+    log = out / "driver.log"
+    driver_log = log.read_text() if log.exists() else ""
+    assert host.returncode == 0 and (out / done).exists(), (
+        f"host exited {host.returncode}:\n{host.stdout[-3000:]}{host.stderr[-3000:]}\ndriver:\n{driver_log[-6000:]}")
+    return json.loads((out / "host.json").read_text())
+
+
+def summary(attempts: list[dict[str, Any]]) -> list[tuple]:
+    """Each attempt as (world size, start step, last step, end, steps lost, recovered from)."""
+    return [(a["world_size"], a["start_step"], a["last_step"], a["end"], a["steps_lost"], a["recovered_from"])
+            for a in attempts]
 
 
 def reference(steps: int) -> tuple[dict[str, torch.Tensor], list[float]]:
