@@ -497,22 +497,9 @@ def _placed(pg: PlacementGroup) -> bool:
 
 
 def _kill(actors: list[Any], timeout_s: float = 30.0) -> None:
-    """Kill the actors and wait (bounded) until Ray reports each dead."""
+    """Kill the actors and wait (bounded) until Ray reports each dead (a lost node's: once Ray marks the node
+    dead)."""
     _send_kill(actors)
-    _await_dead(actors, timeout_s)
-
-
-def _send_kill(actors: list[Any]) -> None:
-    for a in actors:
-        try:
-            ray.kill(a, no_restart=True)
-        except Exception:
-            pass
-
-
-def _await_dead(actors: list[Any], timeout_s: float = 30.0) -> None:
-    """Wait (bounded) until Ray reports each of the killed ``actors`` dead (a lost node's: once Ray marks the
-    node dead)."""
     deadline = time.monotonic() + timeout_s
     for a in actors:
         while time.monotonic() < deadline:
@@ -525,6 +512,14 @@ def _await_dead(actors: list[Any], timeout_s: float = 30.0) -> None:
             except Exception:
                 break
             time.sleep(0.05)
+
+
+def _send_kill(actors: list[Any]) -> None:
+    for a in actors:
+        try:
+            ray.kill(a, no_restart=True)
+        except Exception:
+            pass
 
 
 def _new_slot(run: str, rank: int, taken: set[str], pg: PlacementGroup, bundle: int, own_pg: bool,
