@@ -22,7 +22,6 @@ machine's speed.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -78,23 +77,16 @@ def _host(out: Path, recovery: str) -> None:
     with elastic.host_cluster(_system_config=elastic.HEALTH_CHECK_CONFIG) as cluster:
         for _ in range(2):
             cluster.add_node(num_cpus=1)
-        with open(out / "driver.log", "w") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "tests.test_elastic_cluster", "drive", cluster.address,
-                                     str(out), recovery], cwd=elastic.REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
-            try:
-                elastic.wait_for(control / "held-2-5", proc)  # 2 nodes: a group of 2 (max 4), held at step 5
-                third = cluster.add_node(num_cpus=1)  # -> grows to 3 at the next check, from a recovery point at 5
-                elastic.wait_for(control / "held-3-10", proc)
-                spoiled = elastic.spoil_checkpoints(out / "runs") if recovery == "memory" else []
-                removed_at = time.time()
-                cluster.remove_node(third, allow_graceful=False)  # a node lost without warning, its rank with it
-                (out / "host.json").write_text(json.dumps({"removed": third.node_id, "removed_at": removed_at,
-                                                           "spoiled": spoiled}))
-                proc.wait(timeout=300)
-            finally:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait(timeout=30)
+        with elastic.driver("tests.test_elastic_cluster", cluster.address, out, recovery) as proc:
+            elastic.wait_for(control / "held-2-5", proc)  # 2 nodes: a group of 2 (max 4), held at step 5
+            third = cluster.add_node(num_cpus=1)  # -> grows to 3 at the next check, from a recovery point at 5
+            elastic.wait_for(control / "held-3-10", proc)
+            spoiled = elastic.spoil_checkpoints(out / "runs") if recovery == "memory" else []
+            removed_at = time.time()
+            cluster.remove_node(third, allow_graceful=False)  # a node lost without warning, its rank with it
+            (out / "host.json").write_text(json.dumps({"removed": third.node_id, "removed_at": removed_at,
+                                                       "spoiled": spoiled}))
+            proc.wait(timeout=300)
 
 
 # Storage recovery (the default) is what the other elastic and trainer tests restart from; across real nodes

@@ -72,29 +72,22 @@ def _host(out: Path) -> None:
     with elastic.host_cluster(_system_config=elastic.HEALTH_CHECK_CONFIG) as cluster:
         first = cluster.add_node(num_cpus=2)
         cluster.add_node(num_cpus=2)
-        with open(out / "driver.log", "w") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "tests.test_elastic_replica", "drive", cluster.address,
-                                     str(out)], cwd=elastic.REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
-            try:
-                elastic.wait_for(control / "held-4-5", proc)
-                spoiled = elastic.spoil_checkpoints(runs)
-                third = cluster.add_node(num_cpus=2)  # -> grows to 6 at the next check, from the replicas at step 5
-                elastic.wait_for(control / "held-6-10", proc)
-                spoiled += elastic.spoil_checkpoints(runs)
-                subprocess.run([str(Path(sys.executable).parent / "ray"), "drain-node", "--address", cluster.address,
-                                "--node-id", third.node_id, "--reason", "DRAIN_NODE_REASON_PREEMPTION",
-                                "--reason-message", "spot reclaim (test)", "--deadline-remaining-seconds", "60"],
-                               check=True, capture_output=True, timeout=60)
-                elastic.wait_for(control / "held-4-13", proc)
-                spoiled += elastic.spoil_checkpoints(runs)
-                cluster.remove_node(first, allow_graceful=False)  # its two ranks lost with it
-                (out / "host.json").write_text(json.dumps({"drained": third.node_id, "removed": first.node_id,
-                                                           "spoiled": spoiled}))
-                proc.wait(timeout=300)
-            finally:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait(timeout=30)
+        with elastic.driver("tests.test_elastic_replica", cluster.address, out) as proc:
+            elastic.wait_for(control / "held-4-5", proc)
+            spoiled = elastic.spoil_checkpoints(runs)
+            third = cluster.add_node(num_cpus=2)  # -> grows to 6 at the next check, from the replicas at step 5
+            elastic.wait_for(control / "held-6-10", proc)
+            spoiled += elastic.spoil_checkpoints(runs)
+            subprocess.run([str(Path(sys.executable).parent / "ray"), "drain-node", "--address", cluster.address,
+                            "--node-id", third.node_id, "--reason", "DRAIN_NODE_REASON_PREEMPTION",
+                            "--reason-message", "spot reclaim (test)", "--deadline-remaining-seconds", "60"],
+                           check=True, capture_output=True, timeout=60)
+            elastic.wait_for(control / "held-4-13", proc)
+            spoiled += elastic.spoil_checkpoints(runs)
+            cluster.remove_node(first, allow_graceful=False)  # its two ranks lost with it
+            (out / "host.json").write_text(json.dumps({"drained": third.node_id, "removed": first.node_id,
+                                                       "spoiled": spoiled}))
+            proc.wait(timeout=300)
 
 
 def test_a_grow_a_drain_and_a_lost_node_resume_from_the_replicas_with_no_checkpoint(tmp_path):

@@ -107,29 +107,22 @@ def _host(out: Path) -> None:
     with elastic.host_cluster() as cluster:
         for _ in range(3):
             cluster.add_node(num_cpus=1)
-        with open(out / "driver.log", "w") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "tests.test_preemption", "drive", cluster.address, str(out)],
-                                    cwd=elastic.REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
-            try:
-                for tag, step in NOTICES:
-                    elastic.wait_for(control / f"{tag}-{step}-rank-1", proc)
-                    rank1 = json.loads((control / f"{tag}-{step}-rank-1").read_text())
-                    if tag == "drain":  # Ray's own API, as the autoscaler (v2) calls it on a spot notice
-                        sent[tag] = {"at": time.time(), "node": rank1["node"]}
-                        subprocess.run([str(Path(sys.executable).parent / "ray"), "drain-node", "--address",
-                                        cluster.address, "--node-id", rank1["node"], "--reason",
-                                        "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "spot reclaim (test)",
-                                        "--deadline-remaining-seconds", str(DRAIN_DEADLINE_S)], check=True,
-                                       capture_output=True, timeout=60)
-                    else:
-                        sent[f"{tag}-{step}"] = {"at": time.time(), "pid": rank1["pid"]}
-                        os.kill(rank1["pid"], signal.SIGTERM)
-                (out / "host.json").write_text(json.dumps(sent))
-                proc.wait(timeout=400)
-            finally:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait(timeout=30)
+        with elastic.driver("tests.test_preemption", cluster.address, out) as proc:
+            for tag, step in NOTICES:
+                elastic.wait_for(control / f"{tag}-{step}-rank-1", proc)
+                rank1 = json.loads((control / f"{tag}-{step}-rank-1").read_text())
+                if tag == "drain":  # Ray's own API, as the autoscaler (v2) calls it on a spot notice
+                    sent[tag] = {"at": time.time(), "node": rank1["node"]}
+                    subprocess.run([str(Path(sys.executable).parent / "ray"), "drain-node", "--address",
+                                    cluster.address, "--node-id", rank1["node"], "--reason",
+                                    "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "spot reclaim (test)",
+                                    "--deadline-remaining-seconds", str(DRAIN_DEADLINE_S)], check=True,
+                                   capture_output=True, timeout=60)
+                else:
+                    sent[f"{tag}-{step}"] = {"at": time.time(), "pid": rank1["pid"]}
+                    os.kill(rank1["pid"], signal.SIGTERM)
+            (out / "host.json").write_text(json.dumps(sent))
+            proc.wait(timeout=400)
 
 
 def _losses(run: dict) -> list[tuple[int, float]]:

@@ -122,6 +122,21 @@ def assert_same_samples(history: list[dict[str, Any]]) -> None:
         assert h["samples"] == list(range(s * GLOBAL_BATCH, (s + 1) * GLOBAL_BATCH)), (h["step"], h["world"], h["samples"])
 
 
+@contextlib.contextmanager
+def driver(module: str, address: str, out: Path, *args: str) -> Iterator[subprocess.Popen]:
+    """A host's driver subprocess, ``python -m <module> drive <address> <out> *args``, its output in
+    ``out/driver.log``; killed on the way out if it still runs."""
+    with open(out / "driver.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", module, "drive", address, str(out), *args], cwd=REPO_ROOT,
+                                stdout=log, stderr=subprocess.STDOUT)
+        try:
+            yield proc
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)
+
+
 def run_host(module: str, out: Path, *args: str, done: str = "result.json", timeout_s: float = 600.0) -> dict[str, Any]:
     """Run ``python -m <module> host <out> *args``, the test's cluster in a process of its own, and assert it ended
     well with ``out/<done>`` written (else say what the host and the driver printed); returns its ``host.json``."""
