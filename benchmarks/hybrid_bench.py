@@ -83,6 +83,9 @@ ZERORAY_MODES: dict[str, dict[str, Any]] = {
     "zeroray-hpz-s3": {"stage": 3, "hpz_partition_size": HPZ},
     **{f"zeroray-zpp{bits}-s3": {"stage": 3, "hpz_partition_size": HPZ, "quantize": {
         "weights": True, "gradients": True, "block_size": QUANTIZE_BLOCK, "gradient_bits": bits}} for bits in (8, 4)},
+    "zeroray-zpp8n-s3": {"stage": 3, "hpz_partition_size": HPZ, "quantize": {
+        "weights": True, "gradients": True, "block_size": QUANTIZE_BLOCK, "gradient_bits": 8,
+        "intra_node_gradients": False}},
     "zeroray-qwz-qgz8-s3": {"stage": 3, "quantize": {
         "weights": True, "gradients": True, "block_size": QUANTIZE_BLOCK, "gradient_bits": 8}},
 }
@@ -96,6 +99,7 @@ MODE_NAMES = {
     "zeroray-hpz-s3": f"zeroray hpZ (h={HPZ}), stage 3",
     "zeroray-zpp8-s3": "zeroray ZeRO++ (hpZ + qwZ + qgZ int8)",
     "zeroray-zpp4-s3": "zeroray ZeRO++ (hpZ + qwZ + qgZ int4)",
+    "zeroray-zpp8n-s3": "zeroray ZeRO++ (hpZ + qwZ + qgZ int8, fp32 inside the node)",
     "zeroray-qwz-qgz8-s3": "zeroray qwZ + qgZ int8, no hpZ",
     "deepspeed-flat-s3": "DeepSpeed ZeRO-3 flat",
     "deepspeed-hpz-s3": f"DeepSpeed hpZ (zero_hpz_partition_size={HPZ})",

@@ -50,6 +50,7 @@ def _run(rank: int, world: int, cases: list[dict]) -> list[dict]:
         losses = train(engine, data[GAS:])
         out.append({"shards": shards, "losses": losses, "bytes": engine.comm_report(by_scope=True),
                     "state": engine.full_state_dict(), "norm": engine.last_grad_norm,
+                    "qgz_padded": sum(g.padded for g in engine.groups if g.qgz is not None),
                     "units": [[(g.padded, g.shard_numel) for g in u.groups] for u in engine.scheduler.all_units]
                     if stage == 3 else None})
         engine.close()
@@ -70,6 +71,7 @@ CASES = [
     {"stage": 2, "quantize": {"gradients": True}},  # 6: qgZ at stage 2
     {"quantize": {"weights": True, "gradients": True}, "shard_group_size": 2},  # 7: on top of hybrid
     {"quantize": {"weights": True, "gradients": True}, "hpz_partition_size": 2},  # 8: case 4 again
+    {"quantize": {"gradients": True, "intra_node_gradients": False}},  # 9: qgZ int8, fp32 inside the node
 ]
 
 
@@ -87,12 +89,15 @@ def test_reduced_gradients_are_within_the_code_of_the_exact_ones(runs: list[list
         assert max(_rel(g, w) for g, w in zip(rank[2]["shards"], base)) > 0  # it did quantize
         for got, want in zip(rank[6]["shards"], base2, strict=True):
             assert _rel(got, want) < 0.02
+        # fp32 inside the node: one rounding, not two, so nearer the exact shards than case 2, yet quantized.
+        mixed = [_rel(g, w) for g, w in zip(rank[9]["shards"], base, strict=True)]
+        assert 0 < max(mixed) < 0.02 and sum(mixed) < sum(_rel(g, w) for g, w in zip(rank[2]["shards"], base))
 
 
 def test_losses_stay_close_to_the_unquantized_run_and_repeat_exactly(runs: list[list[dict]]) -> None:
     for rank in runs:
         base = rank[0]["losses"]
-        for i in (1, 2, 3, 4, 7):
+        for i in (1, 2, 3, 4, 7, 9):
             assert max(abs(a - b) / b for a, b in zip(rank[i]["losses"], base)) < 0.02, i
         assert rank[4]["losses"] == rank[8]["losses"]  # a fixed seed: the same losses run to run
         assert rank[4]["state"].keys() == rank[8]["state"].keys()
@@ -116,6 +121,10 @@ def test_bytes_by_link_class_equal_the_formulas(runs: list[list[dict]]) -> None:
     assert r0[0]["bytes"]["inter_node:all_gather"] == 2 * fp32_backward + micro * sum(p * 4 for p, _ in root)
     qgz = r0[2]["bytes"]
     assert qgz["intra_node:all_to_all_int8"] == 2 * qgz["inter_node:all_to_all_int8"]
+    mixed = r0[9]["bytes"]  # the same int8 rows across nodes; inside the node every group's fp32 buffer
+    assert mixed["inter_node:all_to_all_int8"] == qgz["inter_node:all_to_all_int8"]
+    assert mixed["intra_node:all_to_all"] == micro * 4 * r0[9]["qgz_padded"] > 0
+    assert "intra_node:all_to_all_int8" not in mixed
     assert "inter_node:reduce_scatter" not in qgz and "inter_node:all_reduce" not in {
         k for k, v in qgz.items() if v > 1000
     }
@@ -204,8 +213,12 @@ def test_bad_quantize_settings_fail_before_any_work() -> None:
         ZeroConfig(stage=3, quantize={"gradients": True, "gradient_bits": 2})
     with pytest.raises(ConfigError, match="quantize.weights: must be true or false"):
         ZeroConfig(stage=3, quantize={"weights": "yes"})
+    with pytest.raises(ConfigError, match="quantize.intra_node_gradients: must be true or false, got 'no'"):
+        ZeroConfig(stage=3, quantize={"gradients": True, "intra_node_gradients": "no"})
     cfg = load_config({"zero_optimization": {"stage": 3, "zero_quantized_weights": True, "zero_quantized_gradients": True,
-                                             "zeroray_quantize_gradient_bits": 4}})
+                                             "zeroray_quantize_gradient_bits": 4,
+                                             "zeroray_quantize_intra_node_gradients": False}})
     assert (cfg.quantize.weights, cfg.quantize.gradients, cfg.quantize.gradient_bits) == (True, True, 4)
+    assert cfg.quantize.intra_node_gradients is False
     with pytest.raises(ValueError, match="DeepSpeed config key 'zero_optimization.zero_quantized_gradients': qgZ"):
         load_config({"zero_optimization": {"stage": 1, "zero_quantized_gradients": True}})

@@ -121,7 +121,7 @@ def _inputs(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(N * S, generator=g) * (1 + rank), torch.randn(S, generator=g)
 
 
-def _expected(bits: int, hierarchical: bool) -> tuple[torch.Tensor, ...]:
+def _expected(bits: int, hierarchical: bool, quantize_node: bool = True) -> tuple[torch.Tensor, ...]:
     """Every rank's reduced shard, by the quantizer applied by hand to every rank's input."""
     q = BlockQuantizer(bits, BLOCK)
     full = [_inputs(r)[0].view(N, S) for r in range(N)]
@@ -134,7 +134,8 @@ def _expected(bits: int, hierarchical: bool) -> tuple[torch.Tensor, ...]:
     out = []
     for r in range(N):  # 2 nodes of 2 ranks
         # After its node's all-to-all, the rank of node jj at r's place holds that node's sum of row r ...
-        partial = [sum(qd(full[jj * 2 + p][r : r + 1]) for p in range(2)) for jj in range(2)]
+        node = qd if quantize_node else (lambda x: x)  # fp32 inside the node: its exact sum is quantized once
+        partial = [sum(node(full[jj * 2 + p][r : r + 1]) for p in range(2)) for jj in range(2)]
         out.append(sum(qd(x) for x in partial)[0])  # ... requantized, and summed across the nodes by rank r
     return tuple(out)
 
@@ -145,7 +146,9 @@ def _collectives(rank: int, world: int, bits: int) -> dict:
     full, shard = _inputs(rank)
     out = {}
     for name, rs in (("one", QuantizedReduceScatter(bits, BLOCK, topo.shard)),
-                     ("two", QuantizedReduceScatter(bits, BLOCK, topo.shard, topo.node, topo.cross))):
+                     ("two", QuantizedReduceScatter(bits, BLOCK, topo.shard, topo.node, topo.cross)),
+                     ("mixed", QuantizedReduceScatter(bits, BLOCK, topo.shard, topo.node, topo.cross,
+                                                      quantize_node=False))):
         topo.reset()
         reduced = torch.empty(S)
         rs.reduce_scatter(reduced, full.clone()).wait()
@@ -164,10 +167,14 @@ def test_quantized_reduce_scatter_and_gather_equal_the_quantizer_by_hand(bits: i
     res = run_ranks(_collectives, N, bits)
     q, q8 = BlockQuantizer(bits, BLOCK), BlockQuantizer(8, BLOCK)
     row = q.row_bytes(S)
-    one, two = _expected(bits, False), _expected(bits, True)
+    one, two, mixed = _expected(bits, False), _expected(bits, True), _expected(bits, True, quantize_node=False)
     for rank, r in enumerate(res):
         assert torch.equal(r["one"][0], one[rank])
         assert torch.equal(r["two"][0], two[rank])
+        assert torch.equal(r["mixed"][0], mixed[rank])
+        # One rounding instead of two: the fp32 stage inside the node leaves the smaller error.
+        error = {k: float((r[k][0] - r["exact"]).norm()) for k in ("two", "mixed")}
+        assert error["mixed"] < error["two"], error
         # Accuracy against the exact sum: relative to the largest input block a step of the code.
         rel = float((r["two"][0] - r["exact"]).norm() / r["exact"].norm())
         assert rel < (0.02 if bits == 8 else 0.3), rel
@@ -175,6 +182,8 @@ def test_quantized_reduce_scatter_and_gather_equal_the_quantizer_by_hand(bits: i
         assert r["one"][1] == {f"inter_node:all_to_all_int{bits}": N * row}
         # Two levels: the whole buffer inside the node, then one row per node across (N/m = 2 rows).
         assert r["two"][1] == {f"intra_node:all_to_all_int{bits}": N * row, f"inter_node:all_to_all_int{bits}": 2 * row}
+        # fp32 inside the node: the whole buffer in fp32 there, the same quantized rows across.
+        assert r["mixed"][1] == {"intra_node:all_to_all": N * S * 4, f"inter_node:all_to_all_int{bits}": 2 * row}
         want = torch.cat([q8.dequantize(q8.quantize(_inputs(s)[1].to(torch.bfloat16).view(1, S)), S)[0] for s in range(N)])
         assert torch.equal(r["gather"][0], want.to(torch.bfloat16))  # every rank, its own shard too
         assert r["gather"][1] == {"inter_node:all_gather_int8": N * q8.row_bytes(S)}

@@ -287,7 +287,8 @@ def _lay_out(
     qgz = None
     if quantize.gradients:
         qgz = QuantizedReduceScatter(
-            quantize.gradient_bits, quantize.block_size, topology.shard, topology.node, topology.cross, kernels
+            quantize.gradient_bits, quantize.block_size, topology.shard, topology.node, topology.cross, kernels,
+            quantize_node=quantize.intra_node_gradients,
         )
     unit_groups: dict[int | None, list[FlatGroup]] = {}
     pending: list[FlatGroup] = []  # stage 3: groups with meta parameters, installed once initialized
