@@ -110,6 +110,36 @@ def test_a_rank_that_fails_inside_its_step_offers_nothing(lost_node: list[dict[A
         assert "inside an optimizer step or a load" in r["mid_update_error"]
 
 
+def _permuted_mesh(rank: int, world: int) -> dict[str, Any]:
+    """A user's mesh whose shard groups are not consecutive ranks: {0, 2} and {1, 3}, so rank 2 holds shard 1
+    and rank 1 shard 0. The replica group {1, 3} is lost; ranks 0 and 2 rebuild the state flat at world 2."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    mesh = DeviceMesh("cpu", [[0, 2], [1, 3]], mesh_dim_names=("replicate", "shard"))
+    engine = make_engine(3, mesh=mesh)
+    train(engine, batches(rank, OPT_STEPS))
+    live = take(engine, "g", live=True)
+    got: dict[str, Any] = {"replicas": live.header.replicas, "before": snapshot(engine)}
+    engine.close()
+    survivors = dist.new_group([0, 2])
+    if rank in (0, 2):
+        store = SnapshotStore()
+        store.add(live)
+        fresh = make_engine(3, seed=1, process_group=survivors)
+        comm = Comm(survivors)
+        restore(fresh, comm, store, choose(comm, store))
+        got["shrunk"] = snapshot(fresh)
+        fresh.close()
+    return got
+
+
+def test_a_permuted_mesh_is_rebuilt_from_the_ranks_that_hold_each_shard() -> None:
+    ranks = run_ranks(_permuted_mesh, 4)
+    assert [r["replicas"] for r in ranks] == [(0, 1), (0, 1), (2, 3), (2, 3)]  # the mesh's columns
+    want = assemble([r["before"] for r in ranks])
+    assert_same(assemble([ranks[0]["shrunk"], ranks[2]["shrunk"]]), want, "permuted mesh shrunk to world 2")
+
+
 # Which step each survivor (ranks 0-3 of 6; ranks 4 and 5 are lost) stopped at: 0 = step t, 1 = step t+1;
 # "reports": the ranks also hold their own report-time snapshot of step t-1 (snapshot_interval).
 SCENARIOS = {

@@ -16,9 +16,10 @@ from zeroray.engine import ZeroEngine, layout
 
 
 def make_engine(stage: int, seed: int = 0, device: str | torch.device = "cpu", process_group: Any = None,
-                shard_group_size: int | None = None, **model_kw: Any) -> ZeroEngine:
+                shard_group_size: int | None = None, mesh: Any = None, **model_kw: Any) -> ZeroEngine:
     """TinyLM on ``device`` with the recipe's AdamW over two param groups and clipping, no accumulation, and
-    a StepLR schedule, on ``process_group`` (default: WORLD), hybrid over ``shard_group_size`` ranks if given."""
+    a StepLR schedule, on ``process_group`` (default: WORLD), hybrid over ``shard_group_size`` ranks or the
+    2-D ``mesh`` if given."""
     torch.manual_seed(seed)
     model = TinyLM(**model_kw).to(device)
     cfg = zeroray.ZeroConfig(stage=stage, comm={"reduce_bucket_size": 500}, gradient_clipping=CLIP,
@@ -28,6 +29,7 @@ def make_engine(stage: int, seed: int = 0, device: str | torch.device = "cpu", p
         optimizer(model),
         cfg,
         process_group=process_group,
+        mesh=mesh,
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.9),
     )
 

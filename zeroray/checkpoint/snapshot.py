@@ -59,12 +59,15 @@ class Entry:
 
 @dataclass(frozen=True)
 class GroupLayout:
-    """A flat group as the group that took the snapshot laid it out (a GroupShard without tensors)."""
+    """A flat group as the group that took the snapshot laid it out (a GroupShard without tensors).
+    ``shard_rank``: which of the group's ``shard_world`` shards this rank held (its place in its shard group,
+    not its rank: a user's mesh may order the shard groups' ranks any way)."""
 
     name: str
     slots: tuple[layout.TensorSlot, ...]
     numel: int
     shard_world: int
+    shard_rank: int
 
 
 @dataclass(frozen=True)
@@ -108,7 +111,7 @@ def take(engine: ZeroEngine, group_id: str, live: bool = False) -> Snapshot:
     tensors: list[tuple[str, str, str, torch.Tensor]] = []
     groups = []
     for gs in engine.shard_state():
-        groups.append(GroupLayout(gs.name, tuple(gs.slots), gs.numel, gs.shard_world))
+        groups.append(GroupLayout(gs.name, tuple(gs.slots), gs.numel, gs.shard_world, gs.shard_rank))
         tensors += [("shard", gs.name, key, gs.tensors[key]) for key in sorted(gs.tensors)]
     tensors += [("buffer", name, "", b) for name, b in tensor_names.named_buffers(engine.module)]
     if not live:
@@ -301,6 +304,10 @@ def restore(engine: ZeroEngine, comm: Comm, store: SnapshotStore, choice: Choice
         dests.append(dest)
 
     old = {s.name: (g, s) for g in choice.headers[0].groups for s in g.slots}
+    holds: dict[tuple[str, int], int] = {}  # (old group, shard index) -> the first old rank that held it
+    for o, h in enumerate(choice.headers):  # h: old rank o's snapshot, or a replica's (the same shard index)
+        for g in h.groups:
+            holds.setdefault((g.name, g.shard_rank), o)
     saved_keys: dict[str, list[str]] = {}  # old group -> the states it was snapshotted with
     for e in choice.headers[0].entries:
         if e.kind == "shard":
@@ -315,8 +322,8 @@ def restore(engine: ZeroEngine, comm: Comm, store: SnapshotStore, choice: Choice
             lo = slot.offset + p.t_lo
             for o, llo, lhi in layout.owners(g.numel, g.shard_world, lo, lo + p.numel):
                 at = p.f_lo - gs.lo + layout.shard_range(g.numel, g.shard_world, o)[0] + llo - lo  # in ``out``
-                for k in keys:
-                    ask(o, "shard", g.name, k, 4 * llo, out[k][at : at + lhi - llo])  # fp32: 4 bytes an element
+                for k in keys:  # fp32: 4 bytes an element
+                    ask(holds[(g.name, o)], "shard", g.name, k, 4 * llo, out[k][at : at + lhi - llo])
         tensors[gs.name] = out
     buffers = {}
     for e in (e for e in choice.headers[0].entries if e.kind == "buffer"):
