@@ -148,6 +148,10 @@ def _file(m: dict[str, Any]) -> dict[str, Any]:
     return m["files"][0]
 
 
+def _rng(m: dict[str, Any]) -> dict[str, Any]:
+    return next(s for s in m["files"][0]["sections"] if s["kind"] == "rng")
+
+
 # name: (edit of the manifest, what the one-line error says)
 FORGED: dict[str, tuple[Callable[[dict[str, Any]], Any], str]] = {
     "buffer_of_10_tb": (_huge_buffer, r"rank-00000\.bin has \d+ bytes, the manifest says 10000000\d+"),
@@ -176,6 +180,9 @@ FORGED: dict[str, tuple[Callable[[dict[str, Any]], Any], str]] = {
     "digest_mismatch": (_set("files.0.sha256", "0" * 64), r"sha256 does not match its chunk checksums"),
     "unknown_algorithm": (_set("files.0.algorithm", "md5"), r"algorithm is 'md5', not one of"),
     "buffer_shape_and_bytes_disagree": (lambda m: _buffer(m).update(shape=[10, 1]), r"has 36 bytes; float32 \[10, 1\] is 40"),
+    "rng_state_short": (lambda m: _rng(m).update(nbytes=16), r"RNG state 'cpu' has 16 bytes; this torch's is 5056"),
+    "rng_state_float32": (lambda m: _rng(m).update(dtype="float32"), r"RNG state 'cpu' is float32, not uint8"),
+    "rng_state_unknown_key": (lambda m: _rng(m).update(key="tpu"), r"RNG state 'tpu' is not one of \['cpu', 'cuda'\]"),
     "meta_not_an_object": (_set("meta", []), r"meta is \[\], not a JSON object"),
     "size_missing": (lambda m: _file(m).pop("size"), r"files\[0\] \(rank-00000\.bin\) has no 'size'"),
     "groups_not_a_list": (_set("groups", {}), r"groups is \{\}, not a list"),

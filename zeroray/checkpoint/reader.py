@@ -286,6 +286,20 @@ def _check_names(ckpt: CheckpointReader, states: list[GroupSource]) -> None:
         )
 
 
+def _check_rng(url: str, f: FileEntry, s: SectionEntry, device: torch.device) -> None:
+    """An RNG section is a generator state of this torch's size, checked before any read: a wrong one would
+    fail ``set_rng_state`` only after the weights were loaded. A CUDA state is sized where the engine is."""
+    where = f"{url}: rank {f.rank}'s RNG state {s.key!r}"
+    if s.key not in ("cpu", "cuda"):
+        raise CheckpointError(f"{where} is not one of ['cpu', 'cuda']")
+    if s.dtype != "uint8":
+        raise CheckpointError(f"{where} is {s.dtype}, not uint8")
+    if s.key == "cpu" or device.type == "cuda":
+        want = (torch.get_rng_state() if s.key == "cpu" else torch.cuda.get_rng_state(device)).numel()
+        if s.nbytes != want:
+            raise CheckpointError(f"{where} has {s.nbytes} bytes; this torch's is {want}")
+
+
 def _raw_section(f: FileEntry, s: SectionEntry) -> tuple[Request, torch.Tensor]:
     """A request for a whole section into a fresh byte buffer (view it as ``s.dtype`` afterwards)."""
     buf = torch.empty(s.nbytes, dtype=torch.uint8)
@@ -330,6 +344,7 @@ def load(engine: ZeroEngine, url: str, *, storage_options: dict[str, Any] | None
         keys = {name: _keys(ckpt, gs.slots, gs.param_group is not None) for name, gs in groups.items()}
         requests: list[Request] = []
         for f, s in ckpt.sections("rng"):
+            _check_rng(url, f, s, engine.device)
             if ckpt.manifest.world_size == engine.world_size and f.rank == engine.rank:
                 req, rng[s.key] = _raw_section(f, s)
                 requests.append(req)
