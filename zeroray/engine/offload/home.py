@@ -13,6 +13,7 @@ whichever it is; each home moves the values its own way (live tensors, or bounde
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Protocol
 
@@ -51,17 +52,21 @@ class HomeCopy(Protocol):
     def close(self) -> None: ...
 
 
-class StateHome:
-    """Interface; see the module docstring."""
+class StateHome(ABC):
+    """Interface; see the module docstring. A home must say how it serves each abstract method; the others
+    have the default of a home that needs no such step."""
 
     def attach(self, groups: Sequence[FlatGroup]) -> None:
         """Called once, before the optimizer's parameters are made."""
+        return None  # a home that needs no such step
 
+    @abstractmethod
     def param_data(self, g: FlatGroup, lo: int, hi: int) -> torch.Tensor:
-        raise NotImplementedError
+        """The master values ``[lo, hi)`` of ``g``'s shard that the optimizer's parameter for them views."""
 
     def prepare(self, subs: Sequence[SubGroup], optimizer: torch.optim.Optimizer) -> None:
         """Called once the optimizer exists."""
+        return None  # a home that needs no such step
 
     lazy_grads = False  # see GradShards: fp32 gradients made per sub-group, as it is stepped
     early_grads = False  # grad_ready() wants each group's final gradient shard as soon as it is reduced
@@ -70,27 +75,32 @@ class StateHome:
     def grad_ready(self, g: FlatGroup) -> None:
         """``g``'s gradient shard holds its final value for this step (called during backward when
         :attr:`early_grads`)."""
+        return None  # a home that needs no such step
 
     def settle(self) -> None:
         """Wait for copies in flight that read the masters, before anyone writes them."""
+        return None  # a home that needs no such step
 
+    @abstractmethod
     def grad(self, g: FlatGroup, lo: int = 0, hi: int | None = None) -> torch.Tensor:
         """``g``'s gradient shard (or its ``[lo, hi)``) in fp32 where the optimizer runs; eager
         homes may return the shard itself (scaled in place) or a reused buffer."""
-        raise NotImplementedError
 
+    @abstractmethod
     def cycle(self, subs: Sequence[SubGroup], optimizer: torch.optim.Optimizer) -> Iterator[tuple[SubGroup, None]]:
         """Yield each sub-group with its master and states in place for ``optimizer.step()``."""
-        raise NotImplementedError
 
     def publish(self, sub: SubGroup) -> None:
         """The sub-group was stepped: its new masters may go into the compute shards now."""
+        return None  # a home that needs no such step
 
+    @abstractmethod
     def master(self, g: FlatGroup) -> torch.Tensor:
-        raise NotImplementedError
+        """``g``'s fp32 master shard, readable now."""
 
+    @abstractmethod
     def states(self, piece: ParamSlice, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-        raise NotImplementedError
+        """``piece``'s elementwise optimizer states by name, readable now."""
 
     # What :meth:`stream` yields: live tensors, no copy (False: the home's bounded swap buffers, each
     # valid until the next is asked for). Only a reader that keeps them needs to know.
@@ -100,37 +110,38 @@ class StateHome:
         """Names of ``piece``'s elementwise optimizer states (none before its first step), sorted."""
         return sorted(self.states(piece, optimizer))
 
+    @abstractmethod
     def stream(self, pieces: Sequence[ParamSlice], key: str, optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
         """The values of ``key`` ("weight": the master) of ``pieces`` (one flat group's, in order) as
         consecutive 1-D fp32 tensors; each is valid until the next one is asked for (a never-stepped
         piece's states: zeros)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def load(self, subs: Sequence[SubGroup], tensors: Mapping[FlatGroup, Mapping[str, torch.Tensor]],
              scalars: PieceScalars, optimizer: torch.optim.Optimizer) -> None:
         """Install each group's whole-shard ``tensors`` ("weight" and the states it was saved with, or
         "weight" alone: fresh states; a piece whose ``scalars`` are None starts fresh too). A home
         that keeps no ``FlatGroup.master`` (swap files) writes the compute shards here."""
-        raise NotImplementedError
 
+    @abstractmethod
     def load_stream(self, subs: Sequence[SubGroup], keys: Mapping[FlatGroup, Sequence[str]], fill: Fill,
                     scalars: PieceScalars, optimizer: torch.optim.Optimizer) -> None:
         """As :meth:`load`, with each group's ``keys[group]`` written by ``fill`` into destinations of
         the home's choosing."""
-        raise NotImplementedError
 
     def copy(self) -> HomeCopy | None:
         """A copy of the masters and states on disk that training may run past (None: they are not
         in files, or the disk has no room for a copy)."""
         return None
 
+    @abstractmethod
     def set_master(self, piece: ParamSlice, values: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
-        raise NotImplementedError
+        """Overwrite ``piece``'s master with ``values`` (a user's write through the engine)."""
 
+    @abstractmethod
     def memory(self, subs: Sequence[SubGroup], optimizer: torch.optim.Optimizer) -> dict[str, int]:
         """``{"master": , "states": , "host": , "nvme": }`` bytes: masters and states held on the compute
         device; host memory held for offload (masters, states, grad copies, swap buffers); swap files."""
-        raise NotImplementedError
 
     def io_report(self) -> dict[str, float]:
         """Swap traffic and the time the step spent blocked on it (NVMe only)."""
@@ -138,6 +149,7 @@ class StateHome:
 
     def close(self) -> None:
         """Release what the home holds (swap files included)."""
+        return None  # a home that needs no such step
 
 
 def expected_state_count(optimizer: torch.optim.Optimizer) -> int:
