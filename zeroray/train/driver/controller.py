@@ -31,7 +31,9 @@ counts as a preemption too (``FailureConfig.max_preemption_failures``), not agai
 
 Ending a group keeps its healthy rank actors for the next one (``WorkerGroup.disband``): only the ranks
 that failed first-hand, died or hung are killed, so a restart or a resize starts new processes only on
-new capacity. A grow starts its new ranks first, while the group still trains, and asks for the
+new capacity. A group of kept ranks alone does not wait for Ray to confirm the killed ones dead, and a lost
+node is proven gone by its raylet's refused port before Ray's health check says so (group/liveness.py;
+docs/operations.md, *Detection*). A grow starts its new ranks first, while the group still trains, and asks for the
 recovery point only once they are up. Each attempt records how long its start took, by phase
 (``Attempt.phases``).
 """
@@ -60,8 +62,9 @@ from zeroray.train.driver.progress import Progress
 from zeroray.train.driver.run_dir import RunStorage
 from zeroray.train.driver.scaling_policy import ScalingPolicy
 from zeroray.train.errors import CallbackError, Failure, StartFailure, TrainingFailedError, WorkerFailure
+from zeroray.train.group.liveness import lost_nodes
 from zeroray.train.group.poll import PollStatus
-from zeroray.train.group.worker_group import RankSlot, WorkerGroup, WorkerGroupStartError, end_slots
+from zeroray.train.group.worker_group import Dying, RankSlot, WorkerGroup, WorkerGroupStartError, end_slots
 from zeroray.train.preemption import PreemptionInfo, RecoveryChoice, merge
 from zeroray.train.report import Report
 from zeroray.train.result import Attempt, Result, latest_checkpoint
@@ -132,6 +135,7 @@ class Controller:
         self.lease = lease
         self.group: WorkerGroup | None = None
         self._kept: list[RankSlot] = []  # the last group's healthy ranks, for the next one
+        self._dying = Dying()  # the last groups' killed ranks, until Ray confirms them dead
         self._teardown_s: float | None = None  # how long ending the last group took
         self._spares: list[RankSlot] = []  # ranks started ahead of a grow, while the group trained
         self._prestart_s: float | None = None  # how long they took to start
@@ -308,6 +312,7 @@ class Controller:
                     hang_timeout_s=self.failure_policy.heartbeat_timeout_s,
                     kept=kept,
                     epoch=epoch,
+                    dying=self._dying,
                 )
                 return group, decision
             except WorkerGroupStartError as e:
@@ -414,6 +419,7 @@ class Controller:
         None once they are up (``self._spares``), else the state to go to: the group failed or finished
         meanwhile, or the spares could not start (the grow is dropped; the policy asks again at its next check)."""
         assert self.group is not None
+        self._dying.wait()  # the spares take the killed ranks' resources and names
         spares = self.group.start_spares(self.spec, decision)
         start = time.monotonic()
         try:
@@ -483,12 +489,21 @@ class Controller:
         self._fire("after_report", report, entry)
 
     def _collect_failures(self, failures: list[WorkerFailure]) -> list[Failure]:
-        """When only ranks hurt by a peer's failure have reported so far, wait briefly for the root cause (after a
-        collective timeout: for the other ranks' timeouts, so the error says where each rank was)."""
+        """When only ranks hurt by a peer's failure have reported so far, look for the root cause: ranks whose node
+        is gone (its raylet refuses connections: :meth:`_lost_with_their_node`, no wait for Ray's health check),
+        else wait briefly for it (after a collective timeout: for the other ranks' timeouts, so the error says
+        where each rank was)."""
         assert self.group is not None
         start = time.monotonic()
         by_rank = {f.rank: f for f in failures}
-        while len(by_rank) < len(self.group.actors) and all(f.secondary for f in by_rank.values()):
+
+        def unexplained() -> bool:
+            return len(by_rank) < len(self.group.actors) and all(f.secondary for f in by_rank.values())
+
+        while unexplained():
+            by_rank.update({f.rank: f for f in self._lost_with_their_node(set(by_rank))})
+            if not unexplained():
+                break
             grace = FAILURE_GRACE_S
             if any(f.timed_out for f in by_rank.values()):
                 grace = max(grace, min(self.spec.collective_timeout_s, TIMEOUT_GRACE_CAP_S))
@@ -506,6 +521,24 @@ class Controller:
                         rank, "no answer since its peers' collectives failed: its process or node is likely gone "
                               "(Ray has not reported it dead yet)", "")
         return list(by_rank.values())
+
+    def _lost_with_their_node(self, known: set[int]) -> list[WorkerFailure]:
+        """The ranks (not in ``known``) whose node is gone now (``liveness.lost_nodes``: Ray lists it dead, or its
+        raylet refuses connections, which proves it before Ray's health check does), each a first-hand failure;
+        from now on the scaling policy counts those nodes for nothing, so the next group neither waits for them
+        nor is placed on them."""
+        assert self.group is not None
+        group = self.group
+        ranks = [r for r in range(len(group.actors)) if r not in known]
+        nodes = {group.node_of(r) for r in ranks} - {None}
+        try:
+            lost = lost_nodes(nodes)
+        except Exception as e:  # the GCS call failed: wait for Ray's own word, as without the probe
+            logger.warning("zeroray: could not probe the group's nodes: %s: %s", type(e).__name__, e)
+            return []
+        self.scaling_policy.exclude_nodes(lost)
+        return [WorkerFailure(r, f"the rank's actor process died with its node{group.where(r)}: {lost[group.node_of(r)]}",
+                              "", actor_died=True) for r in ranks if group.node_of(r) in lost]
 
     def _on_failure(self, failures: list[Failure]) -> S.ControllerState:
         first = next((f for f in failures if not getattr(f, "secondary", False)), failures[0])
@@ -541,12 +574,13 @@ class Controller:
 
     # ------------------------------------------------------------------ helpers
     def _shutdown_group(self) -> None:
-        """Kill everything: the group, any kept ranks and spares."""
+        """Kill everything: the group, any kept ranks and spares; wait for the killed ranks' deaths."""
         kept, self._kept, self._spares = self._kept + self._spares, [], []
         end_slots(kept)
         if self.group is not None:
             group, self.group = self.group, None
             group.shutdown(graceful=False)
+        self._dying.wait()
 
     def _end_group(self, failed: set[int], release_timeout_s: float) -> None:
         """End the group for another attempt, keeping its healthy ranks (``failed``: ranks to kill)."""
@@ -554,7 +588,7 @@ class Controller:
             return
         start = time.monotonic()
         group, self.group = self.group, None
-        self._kept = group.disband(failed, release_timeout_s) + self._spares
+        self._kept = group.disband(failed, release_timeout_s, self._dying) + self._spares
         self._spares = []
         self._teardown_s = time.monotonic() - start
         logger.info("zeroray: group ended in %.1fs; %d rank(s) kept for the next one", self._teardown_s,

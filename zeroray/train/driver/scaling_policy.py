@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from zeroray.train.config import ScalingConfig
 from zeroray.train.driver.drain_watcher import draining_nodes
@@ -39,6 +39,13 @@ class ScalingPolicy(ABC):
     def __init__(self, scaling_config: ScalingConfig, plan: BatchPlan | None = None) -> None:
         self.scaling_config = scaling_config
         self.plan = plan if plan is not None else BatchPlan("none")
+        self.lost_nodes: set[str] = set()  # nodes found gone before Ray reported them dead (exclude_nodes)
+
+    def exclude_nodes(self, node_ids: Collection[str]) -> None:
+        """Count ``node_ids`` for nothing from now on: the controller found them gone (their raylet refuses
+        connections, group/liveness.py) while Ray may still list them alive until its health check says so. A
+        node that comes back joins as a new node id."""
+        self.lost_nodes |= set(node_ids)
 
     @abstractmethod
     def decide_for_new_group(self, settled: bool = False, held: int = 0) -> ScalingDecision:
@@ -66,8 +73,9 @@ def fitting_workers(per_node: dict[str, dict[str, float]], per_worker: dict[str,
     return sum(int(min(res.get(k, 0.0) / v + 1e-9 for k, v in needed.items())) for res in per_node.values())
 
 
-def _total_per_node() -> dict[str, dict[str, float]]:
-    """The live nodes' resources; a draining node (a preemption notice) holds nothing for a group."""
+def _total_per_node(lost: Collection[str] = ()) -> dict[str, dict[str, float]]:
+    """The live nodes' resources; a draining node (a preemption notice) and a ``lost`` one hold nothing for a
+    group."""
     from ray._private import state
 
     try:
@@ -75,13 +83,13 @@ def _total_per_node() -> dict[str, dict[str, float]]:
     except Exception as e:  # the GCS call failed: count every live node, as before drains were known
         logger.warning("zeroray: could not read Ray's draining nodes: %s: %s", type(e).__name__, e)
         draining = {}
-    return {n: r for n, r in state.total_resources_per_node().items() if n not in draining}
+    return {n: r for n, r in state.total_resources_per_node().items() if n not in draining and n not in lost}
 
 
-def _available_per_node() -> dict[str, dict[str, float]]:
+def _available_per_node(lost: Collection[str] = ()) -> dict[str, dict[str, float]]:
     from ray._private import state
 
-    alive = set(_total_per_node())
+    alive = set(_total_per_node(lost))
     return {n: r for n, r in state.available_resources_per_node().items() if n in alive}
 
 
@@ -109,7 +117,7 @@ class ElasticScalingPolicy(ScalingPolicy):
     def decide_for_new_group(self, settled: bool = False, held: int = 0) -> ScalingDecision:
         """Live nodes' capacity (``settled``: what is free now, plus the ``held`` workers). Fewer than min: ask
         for min, and the group waits in placement (bounded by ``placement_timeout_s``)."""
-        per_node = _available_per_node() if settled else _total_per_node()
+        per_node = _available_per_node(self.lost_nodes) if settled else _total_per_node(self.lost_nodes)
         count = fitting_workers(per_node, self.scaling_config.worker_resources) + (held if settled else 0)
         size = self.largest_feasible(count)
         self._last_check = time.monotonic()
@@ -127,7 +135,7 @@ class ElasticScalingPolicy(ScalingPolicy):
         if now - self._last_check < self.scaling_config.elastic_resize_monitor_interval_s:
             return None
         self._last_check = now
-        count = num_workers + fitting_workers(_available_per_node(), self.scaling_config.worker_resources)
+        count = num_workers + fitting_workers(_available_per_node(self.lost_nodes), self.scaling_config.worker_resources)
         size = self.largest_feasible(count)
         if size is None or size == num_workers:
             return None

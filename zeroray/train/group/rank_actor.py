@@ -108,6 +108,10 @@ class RankActor:
 
         self._node_id = ray.get_runtime_context().get_node_id()
         self.start_niceness = to_normal_priority()  # the start ran ahead of the node's running ranks (priority.py)
+        # What exists now (torch, its compiler front end, Ray: some 300k objects) lives as long as the process. Out
+        # of the cyclic collector's reach, the full collection of each release (and every automatic one) scans
+        # only what the groups made since: milliseconds instead of 0.2-0.8 s while the next group waits.
+        gc.freeze()
 
     def _clear_loop(self) -> None:
         self.session: Session | None = None

@@ -10,7 +10,9 @@ for ``hang_timeout_s``.
 A group's end keeps what can serve the next one (``disband``): the ranks that failed first-hand, died
 or hung are killed; every other rank's actor is released (its loop ended, its process group left) and
 handed, with its bundle, to the next ``start`` as a :class:`RankSlot`. So a restart or a resize starts
-new processes (and pays for their placement, imports and set-up) only on new capacity. Elastic runs give
+new processes (and pays for their placement, imports and set-up) only on new capacity. The killed ranks'
+deaths are awaited in the background (:class:`Dying`): only a ``start`` that places new actors waits for
+them (a lost node's are confirmed only once Ray marks the node dead). Elastic runs give
 every rank a placement group of its own (one bundle), so a dead node takes only its ranks' groups with
 it and a resize adds or removes single ranks; a fixed-size run keeps one placement group with the
 configured strategy. ``shutdown`` kills every actor, waits until Ray reports them dead, and removes the
@@ -20,6 +22,7 @@ placement groups, whatever state they are in.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -159,6 +162,28 @@ def _wait_for_placement(ready: list[Any], bundles: list[dict[str, float]], strat
         logger.warning("zeroray: still waiting to place %s", what)
 
 
+class Dying:
+    """Killed actors whose deaths Ray has not confirmed yet: each batch is ended (:func:`end_slots`: the deaths
+    awaited, the placement groups removed) in a thread of its own, so whoever does not need their resources,
+    bundles or names does not wait for it (a lost node's actors are confirmed dead only once Ray's health check
+    marks the node dead). :meth:`wait` before placing new actors and before the run ends."""
+
+    def __init__(self) -> None:
+        self._threads: list[threading.Thread] = []
+
+    def add(self, slots: list[RankSlot], keep_pg: PlacementGroup | None = None) -> None:
+        if slots:
+            thread = threading.Thread(target=end_slots, args=(slots, keep_pg), name="zeroray-dying", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def wait(self) -> None:
+        """Until every actor handed over is confirmed dead (bounded: end_slots' own timeout) and its placement
+        group removed."""
+        while self._threads:
+            self._threads.pop().join()
+
+
 @dataclass
 class RankSlot:
     """A rank's bundle and the actor on it; handed from one group to the next while both live.
@@ -234,13 +259,17 @@ class WorkerGroup:
         hang_timeout_s: float | None = None,
         kept: list[RankSlot] | None = None,
         epoch: int | None = None,
+        dying: Dying | None = None,
     ) -> WorkerGroup:
         """Place, create, rendezvous, start the loop, reusing the ``kept`` slots of the previous group (the
         group owns them from here). ``placement_timeout_s``: None = the spec's. On a placement timeout the new
         bundles are given back and the error's ``kept`` returns the kept slots to the caller; on any other
         error the whole partial group, kept slots included, is torn down. ``epoch``: the group's fencing epoch,
         which its saves carry. Each rank stops its own process once the driver has not polled it for
-        ``hang_timeout_s + spec.collective_timeout_s`` (:func:`orphan_timeout_s`)."""
+        ``hang_timeout_s + spec.collective_timeout_s`` (:func:`orphan_timeout_s`). ``dying``: the last group's
+        killed actors; a group that places new actors first waits until Ray confirms them dead (their
+        resources and names are free only then; counted in the "placement" phase), one made of kept ranks
+        alone does not."""
         group = cls(spec.name, hang_timeout_s)
         kept = list(kept or [])
         extra = kept[decision.num_workers:]  # a smaller group: the last ranks go
@@ -248,6 +277,8 @@ class WorkerGroup:
         end_slots(extra, keep_pg=kept[0].pg if kept and not kept[0].own_pg else None)
         timeout = spec.placement_timeout_s if placement_timeout_s is None else placement_timeout_s
         t0 = time.monotonic()
+        if dying is not None and decision.num_workers > len(kept):
+            dying.wait()
         try:
             new = _place(spec, decision, kept, timeout)
         except WorkerGroupStartError as e:
@@ -367,7 +398,7 @@ class WorkerGroup:
                 self._gone.add(rank)
                 self._done[rank] = True
                 status.failures.append(
-                    WorkerFailure(rank, f"the rank's actor process died{self._where(rank)}", str(e), actor_died=True)
+                    WorkerFailure(rank, f"the rank's actor process died{self.where(rank)}", str(e), actor_died=True)
                 )
                 continue
             self._last_answer[rank] = now
@@ -393,7 +424,7 @@ class WorkerGroup:
                     status.failures.append(WorkerFailure(
                         rank,
                         f"the rank's actor has not answered for {now - last:.0f}s (hung: stopped, or stuck without "
-                        f"releasing the GIL){self._where(rank)}; FailureConfig.worker_heartbeat_timeout_s="
+                        f"releasing the GIL){self.where(rank)}; FailureConfig.worker_heartbeat_timeout_s="
                         f"{self.hang_timeout_s:g}",
                         "",
                         hung=True,
@@ -403,7 +434,8 @@ class WorkerGroup:
         status.stopped_at = self._stopped_at
         return status
 
-    def _where(self, rank: int) -> str:
+    def where(self, rank: int) -> str:
+        """Where ``rank`` runs, for messages: " (node <id>, pid <pid>)"."""
         info = self.node_infos[rank] if rank < len(self.node_infos) else {}
         return f" (node {info.get('node_id', '?')[:12]}, pid {info.get('pid', '?')})" if info else ""
 
@@ -444,17 +476,19 @@ class WorkerGroup:
         return [info["pid"] for info in self.node_infos]
 
     # ------------------------------------------------------------------ teardown
-    def disband(self, failed: set[int], release_timeout_s: float) -> list[RankSlot]:
+    def disband(self, failed: set[int], release_timeout_s: float, dying: Dying) -> list[RankSlot]:
         """End the group, keeping what can serve the next one; returns the kept slots in rank order.
 
         The ``failed`` ranks (first-hand failures), the dead and the hung are killed first (their sockets close,
         so the others' collectives fail instead of waiting for them); every other rank is asked to release
         within ``release_timeout_s`` (its loop ends: a loop still waiting in a collective has its group's
-        connections shut, group_sockets.py; its process group is left), and killed when it does not. Only then
-        does it wait for Ray to confirm the killed ranks dead (a cut-off node's: once Ray marks the node dead).
-        A fixed-size group's placement group is kept only when every bundle of it is still placed."""
+        connections shut, group_sockets.py; its process group is left), and killed when it does not. The
+        killed ranks go to ``dying``, which waits for Ray to confirm them dead (a lost node's: once Ray marks the
+        node dead) and removes their placement groups in the background: the next group waits for that only
+        when it places new actors (:meth:`start`). A fixed-size group's placement group is kept only when every
+        bundle of it is still placed."""
         doomed = [r for r in range(len(self.slots)) if r in failed or r in self._gone]
-        _send_kill([self.slots[r].actor for r in doomed])  # their deaths are awaited last (end_slots), not before
+        _send_kill([self.slots[r].actor for r in doomed])  # their deaths are awaited by ``dying``, not here
         candidates = [r for r in range(len(self.slots)) if r not in doomed]
         if candidates and not self.slots[0].own_pg and not _placed(self.slots[0].pg):
             candidates = []  # a node of the group is gone: Ray re-places its bundles; start afresh
@@ -470,11 +504,11 @@ class WorkerGroup:
                     why = f"{type(e).__name__}"
                 released.append(why is None)
                 if why is not None:
-                    logger.warning("zeroray: rank %d%s is not kept for the next group: %s", rank, self._where(rank), why)
+                    logger.warning("zeroray: rank %d%s is not kept for the next group: %s", rank, self.where(rank), why)
         kept = [self.slots[r] for r, ok in zip(candidates, released) if ok]
         kept_ids = {id(s) for s in kept}
-        end_slots([s for s in self.slots if id(s) not in kept_ids], keep_pg=kept[0].pg if kept and not kept[0].own_pg
-                   else None)
+        dying.add([s for s in self.slots if id(s) not in kept_ids], keep_pg=kept[0].pg if kept and not kept[0].own_pg
+                  else None)
         self.slots = []
         return kept
 
