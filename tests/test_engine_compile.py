@@ -136,12 +136,18 @@ def _world_2(rank: int, world: int, nvme_path: str) -> dict:
     return out
 
 
+# The first test to ask for world_2 pays all of its set-up (what six tests of 600 s each used to share): the
+# bound of the tests that use it, on a swamped machine.
+SHARED_TIMEOUT = pytest.mark.timeout(1800)
+
+
 @pytest.fixture(scope="module")
 def world_2(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     """``_world_2`` on 2 ranks: each rank's results."""
     return run_ranks(_world_2, 2, str(tmp_path_factory.mktemp("nvme")))
 
 
+@SHARED_TIMEOUT
 def test_every_form_trains_at_stage_3_compiling_each_block_once(world_2: list[dict]) -> None:
     """The per-block forms run the same compiled block: the same bits. Against eager zeroray, compiled zeroray
     (and the whole model, graph breaks at the units' hooks) moves no more than 3x what compiling moves DDP."""
@@ -163,6 +169,7 @@ def test_every_form_trains_at_stage_3_compiling_each_block_once(world_2: list[di
             assert weight_distance(got["state"], state) <= w_tol, (what, weight_distance(got["state"], state), w_tol)
 
 
+@SHARED_TIMEOUT
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_compiled_stages_match_compiled_ddp_as_closely_as_compiled_fsdp2(world_2: list[dict], precision: str) -> None:
     results = [r[precision] for r in world_2]
@@ -203,6 +210,7 @@ def test_compiled_matches_eager_at_world_1_and_3(world: int, cases: list) -> Non
     _assert_near_eager(run_ranks(_against_eager, world, cases), cases)
 
 
+@SHARED_TIMEOUT
 def test_compiled_stage_3_with_parameters_and_optimizer_offloaded(world_2: list[dict]) -> None:
     """Parameters in NVMe files and the optimizer in host memory (``_world_2``'s offload case)."""
     _assert_near_eager([r["offload"] for r in world_2], [(3, {})])
@@ -227,6 +235,7 @@ def _llama(rank: int, world: int) -> dict:
     return out
 
 
+@SHARED_TIMEOUT
 def test_hugging_face_llama_with_its_rotary_cache_compiles_per_block_at_stage_3(world_2: list[dict]) -> None:
     for res in (r["llama"] for r in world_2):
         (eager, _, _), (compiled, at_2, end) = res[False], res[True]
@@ -249,6 +258,7 @@ def _whole_fullgraph(rank: int, world: int) -> str:
     return "no error"
 
 
+@SHARED_TIMEOUT
 def test_whole_model_fullgraph_at_stage_3_fails_at_the_first_forward_naming_the_way_out(world_2: list[dict]) -> None:
     for message in (r["fullgraph"] for r in world_2):
         assert "runs eagerly, outside compiled regions; compile each unit instead of the whole model" in message
