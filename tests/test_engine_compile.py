@@ -6,6 +6,10 @@ Every form trains (per-block ``block.compile()`` / ``torch.compile(block)`` befo
 Compiled zeroray is held to compiled DDP (inductor, both) as closely as compiled FSDP2 is, and to eager
 zeroray where the reductions are the same. Forms that cannot work fail at the first forward, naming the
 module and the way out.
+
+The world-2 cases share one process group (``world_2``): torch, dynamo and inductor are imported once, and
+compiled DDP (the yardstick of every comparison), eager stage 3 and the stage-3 "config" form are run once,
+then read by each test. Every compiled run still starts from a reset dynamo (``_fresh_dynamo``).
 """
 
 from __future__ import annotations
@@ -91,27 +95,63 @@ def _yardstick(rank: int, init: TinyLM, data: list) -> tuple[float, float]:
     DDP against eager DDP, at least the rounding floor."""
     eager = reference(rank, copy.deepcopy(init), data)
     _fresh_dynamo()
-    compiled = _ddp_compiled(rank, copy.deepcopy(init), data)
+    return _moved(_ddp_compiled(rank, copy.deepcopy(init), data), eager)
+
+
+def _moved(compiled: tuple, eager: tuple) -> tuple[float, float]:
     return (max(weight_distance(compiled[1], eager[1]), FLOOR["fp32"]), max(loss_distance(compiled[0], eager[0]), FLOOR["fp32"]))
 
 
-def _forms(rank: int, world: int, forms: list[str]) -> dict:
+FORMS = ["config", "block-after", "block-before", "wrap-after", "wrap-before", "whole"]
+PRECISIONS = ["fp32", "bf16"]
+
+
+def _world_2(rank: int, world: int, nvme_path: str) -> dict:
+    """Every world-2 case of this file on one process group; each test reads its part. Compiled DDP is run
+    once (the parity tests' reference and, against eager DDP, the yardstick of the others), and the
+    stage-3 fp32 "config" form once (a form, and stage 3 of the fp32 parity)."""
     data = batches(rank, GAS * OPT_STEPS)
     torch.manual_seed(0)
     init = TinyLM()
-    out = {"eager": zero_run(copy.deepcopy(init), data, 3, "fp32"), "yardstick": _yardstick(rank, init, data)}
-    for form in forms:
-        out[form] = _compiled_run(init, data, 3, "fp32", form)
+    eager_ddp = reference(rank, copy.deepcopy(init), data)
+    _fresh_dynamo()
+    ddp = _ddp_compiled(rank, copy.deepcopy(init), data)
+    yardstick = _moved(ddp, eager_ddp)
+    forms: dict[Any, Any] = {"eager": zero_run(copy.deepcopy(init), data, 3, "fp32"), "yardstick": yardstick}
+    for form in FORMS:
+        forms[form] = _compiled_run(init, data, 3, "fp32", form)
+    out: dict[str, Any] = {"forms": forms}
+    for precision in PRECISIONS:
+        _fresh_dynamo()
+        parity: dict[Any, Any] = {"ddp": ddp, "fsdp2": fsdp2_run(copy.deepcopy(init), data, precision, compile_blocks=True)}
+        for stage in (0, 1, 2, 3):
+            parity[stage] = (forms["config"] if (precision, stage) == ("fp32", 3)
+                             else _compiled_run(init, data, stage, precision, "config"))
+        out[precision] = parity
+    offload = {"offload_param": {"device": "nvme", "nvme_path": nvme_path}, "offload_optimizer": {"device": "cpu"}}
+    out["offload"] = {"yardstick": yardstick, 0: (_compiled_run(init, data, 3, "fp32", "config", **offload),
+                                                  zero_run(copy.deepcopy(init), data, 3, "fp32", **offload))}
+    out["llama"] = _llama(rank, world)
+    out["fullgraph"] = _whole_fullgraph(rank, world)
     return out
 
 
-FORMS = ["config", "block-after", "block-before", "wrap-after", "wrap-before", "whole"]
+# The first test to ask for world_2 pays all of its set-up (what six tests of 600 s each used to share): the
+# bound of the tests that use it, on a swamped machine.
+SHARED_TIMEOUT = pytest.mark.timeout(1800)
 
 
-def test_every_form_trains_at_stage_3_compiling_each_block_once() -> None:
+@pytest.fixture(scope="module")
+def world_2(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """``_world_2`` on 2 ranks: each rank's results."""
+    return run_ranks(_world_2, 2, str(tmp_path_factory.mktemp("nvme")))
+
+
+@SHARED_TIMEOUT
+def test_every_form_trains_at_stage_3_compiling_each_block_once(world_2: list[dict]) -> None:
     """The per-block forms run the same compiled block: the same bits. Against eager zeroray, compiled zeroray
     (and the whole model, graph breaks at the units' hooks) moves no more than 3x what compiling moves DDP."""
-    for rank, res in enumerate(run_ranks(_forms, 2, FORMS)):
+    for rank, res in enumerate(r["forms"] for r in world_2):
         losses, state, _ = res["eager"]
         w_tol, l_tol = (3 * t for t in res["yardstick"])
         for form in FORMS:
@@ -129,24 +169,10 @@ def test_every_form_trains_at_stage_3_compiling_each_block_once() -> None:
             assert weight_distance(got["state"], state) <= w_tol, (what, weight_distance(got["state"], state), w_tol)
 
 
-def _parity(rank: int, world: int, precision: str) -> dict:
-    data = batches(rank, GAS * OPT_STEPS)
-    torch.manual_seed(0)
-    init = TinyLM()
-    _fresh_dynamo()
-    out: dict[Any, Any] = {"ddp": _ddp_compiled(rank, copy.deepcopy(init), data)}
-    _fresh_dynamo()
-    out["fsdp2"] = fsdp2_run(copy.deepcopy(init), data, precision, compile_blocks=True)
-    for stage in (0, 1, 2, 3):
-        out[stage] = _compiled_run(init, data, stage, precision, "config")
-    return out
-
-
-
-
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_compiled_stages_match_compiled_ddp_as_closely_as_compiled_fsdp2(precision: str) -> None:
-    results = run_ranks(_parity, 2, precision)
+@SHARED_TIMEOUT
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_compiled_stages_match_compiled_ddp_as_closely_as_compiled_fsdp2(world_2: list[dict], precision: str) -> None:
+    results = [r[precision] for r in world_2]
     fsdp_w = max(weight_distance(r["fsdp2"][1], r["ddp"][1]) for r in results)
     fsdp_l = max(loss_distance(r["fsdp2"][0], r["ddp"][0]) for r in results)
     w_tol, l_tol = 3 * max(fsdp_w, FLOOR[precision]), 3 * max(fsdp_l, FLOOR[precision])
@@ -184,9 +210,10 @@ def test_compiled_matches_eager_at_world_1_and_3(world: int, cases: list) -> Non
     _assert_near_eager(run_ranks(_against_eager, world, cases), cases)
 
 
-def test_compiled_stage_3_with_parameters_and_optimizer_offloaded(tmp_path) -> None:
-    cases = [(3, {"offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}, "offload_optimizer": {"device": "cpu"}})]
-    _assert_near_eager(run_ranks(_against_eager, 2, cases), cases)
+@SHARED_TIMEOUT
+def test_compiled_stage_3_with_parameters_and_optimizer_offloaded(world_2: list[dict]) -> None:
+    """Parameters in NVMe files and the optimizer in host memory (``_world_2``'s offload case)."""
+    _assert_near_eager([r["offload"] for r in world_2], [(3, {})])
 
 
 def _llama(rank: int, world: int) -> dict:
@@ -208,14 +235,16 @@ def _llama(rank: int, world: int) -> dict:
     return out
 
 
-def test_hugging_face_llama_with_its_rotary_cache_compiles_per_block_at_stage_3() -> None:
-    for res in run_ranks(_llama, 2):
+@SHARED_TIMEOUT
+def test_hugging_face_llama_with_its_rotary_cache_compiles_per_block_at_stage_3(world_2: list[dict]) -> None:
+    for res in (r["llama"] for r in world_2):
         (eager, _, _), (compiled, at_2, end) = res[False], res[True]
         assert at_2 == end >= 1, (at_2, end)
         torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=0)
 
 
 def _whole_fullgraph(rank: int, world: int) -> str:
+    _fresh_dynamo()
     torch.manual_seed(0)
     model = TinyLM()
     engine = zeroray.initialize(model, optimizer(model), zeroray.ZeroConfig(stage=3))
@@ -229,8 +258,9 @@ def _whole_fullgraph(rank: int, world: int) -> str:
     return "no error"
 
 
-def test_whole_model_fullgraph_at_stage_3_fails_at_the_first_forward_naming_the_way_out() -> None:
-    for message in run_ranks(_whole_fullgraph, 2):
+@SHARED_TIMEOUT
+def test_whole_model_fullgraph_at_stage_3_fails_at_the_first_forward_naming_the_way_out(world_2: list[dict]) -> None:
+    for message in (r["fullgraph"] for r in world_2):
         assert "runs eagerly, outside compiled regions; compile each unit instead of the whole model" in message
         assert "ZeroConfig(compile={'enabled': True})" in message
 
