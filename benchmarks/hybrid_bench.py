@@ -2,18 +2,22 @@
 
     sudo PYTHONPATH=. python benchmarks/hybrid_bench.py [--suite hybrid|zeropp] [--params 25e6] [--steps 5]
                                                           [--warmup 2] [--cases 2x2:none,2x2:1gbit,3x2:1gbit]
-                                                          [--modes ...] [--deepspeed] [--out results.md]
+                                                          [--modes ...] [--deepspeed] [--batch 2] [--seq 64]
+                                                          [--out results.md] [--plot-only] [--plot-from a.md,b.md]
 
 Nodes are network namespaces joined by a bridge (tests/support/netcluster.py), each node's link
 unshaped or shaped with tbf (1 or 10 Gbit/s, burst 256kb, latency 50ms); ranks 2r and 2r+1 sit on node r,
 so a shard group of k = 2 consecutive ranks stays inside a node. Every case (nodes x ranks, link) is one
 gloo job (one thread a rank) that builds every mode side by side on zeroray's GPT (~25M parameters,
-fp32, AdamW, 2 sequences of 64 tokens a rank, so communication dominates) and steps them in turn, one
-step each a round, the order rotated every round, so that a shared machine's drifting load hits all
-modes alike:
+fp32, AdamW, 2 sequences of 64 tokens a rank; ``--batch 1 --seq 32`` makes communication dominate the step)
+and steps them in turn, one step each a round, the order rotated every round, so that a shared machine's
+drifting load hits all modes alike:
 
 - zeroray flat stage 3 (states sharded over all ranks);
 - zeroray hybrid k=2 at stage 3 and at stage 2 (sharded over the 2 ranks of a node, replicated across nodes);
+- zeroray hpZ (``hpz_partition_size=2``: backward's gathers from a secondary copy inside the node);
+- on 4 nodes and more (``--modes``): hybrid k=4 (a shard group of 2 nodes) alone and with hpZ h=2, the
+  combination that needs a shard group spanning nodes (with k = 2, h = 2 is the shard group and is dropped);
 - FSDP2 flat (``fully_shard`` over a 1-D mesh of all ranks) and FSDP2 HSDP (a (nodes, 2) mesh
   ``("replicate", "shard")``); each transformer block ``fully_shard``-ed, then the root.
 
@@ -24,9 +28,10 @@ inter-node when its group spans nodes, so flat ZeRO counts all its bytes there),
 hybrid: 2 x (Psi_padded / k) x 4 bytes per rank and micro-step; and the bytes that really crossed the
 links: the sum over nodes of each node NIC's sent bytes per step (read from /sys/class/net inside the
 node around each timed step). Prints a markdown table and writes it to
-benchmarks/results/hybrid/results.md. Needs root (network namespaces); the default cases take about 11
-minutes on 2 busy cores (``--cases 2x2:10gbit`` runs a 10 Gbit/s link too; it works,
-tried only on a 2M-parameter model).
+benchmarks/results/hybrid/results.md, with the load averages as each case began and ended. Needs root
+(network namespaces); the default six cases (2 and 3 nodes; 1 and 10 Gbit/s, unshaped) took about 30
+minutes with ``--steps 3 --warmup 1`` on 2 cores at load 40. The plot (step_vs_link.png beside ``--out``)
+has a panel for each file of ``--plot-from`` (default: ``--out``).
 
 ``--suite zeropp`` (issue 33) runs ZeRO++'s modes instead, on 2 and 3 nodes x 2 ranks, unshaped, 10 and 1
 Gbit/s, and writes benchmarks/results/zeropp/results.md: flat stage 3, hybrid k=2 stage 3, hpZ
@@ -53,6 +58,7 @@ import functools
 import importlib.util
 import os
 import platform
+import re
 import shlex
 import statistics
 import sys
@@ -214,6 +220,10 @@ def _series(md: Path) -> tuple[str, dict[tuple[str, str], list[tuple[float, floa
         if line.startswith("- model: "):
             model, tokens = line.removeprefix("- model: ").split(";")[:2]
             setting = f"{model.removeprefix('zeroray GPT, ')};{tokens}"
+            continue
+        if line.startswith("- machine load"):  # the 1-minute load averages as each case began and ended
+            loads = [float(m) for m in re.findall(r"(\d+\.\d) \d+\.\d \d+\.\d", line)]
+            setting += f"; load {min(loads):.0f}-{max(loads):.0f}" if loads else ""
             continue
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) < 4 or cells[1] not in gbit or cells[2] not in MODE_NAMES.values():
@@ -417,8 +427,9 @@ def summarize(per_rank: list[dict[str, Any]], mode: str, steps: int, link: str) 
         v for key, v in scoped.items() if key.startswith("inter_node:")) / steps
     row["formula"] = None
     zero = ZERORAY_MODES.get(mode, {})
-    if "shard_group_size" in zero and "hpz_partition_size" not in zero:  # hybrid: only the replicas' all-reduce
-        row["formula"] = 2 * (per_rank[0][mode]["psi_padded"] // zero["shard_group_size"]) * 4
+    k = zero.get("shard_group_size")
+    if k is not None and k <= RANKS_PER_NODE:  # shard groups inside nodes: only the replicas' all-reduce crosses
+        row["formula"] = 2 * (per_rank[0][mode]["psi_padded"] // k) * 4
     return row
 
 
