@@ -2,18 +2,22 @@
 
     sudo PYTHONPATH=. python benchmarks/hybrid_bench.py [--suite hybrid|zeropp] [--params 25e6] [--steps 5]
                                                           [--warmup 2] [--cases 2x2:none,2x2:1gbit,3x2:1gbit]
-                                                          [--modes ...] [--deepspeed] [--out results.md]
+                                                          [--modes ...] [--deepspeed] [--batch 2] [--seq 64]
+                                                          [--out results.md] [--plot-only] [--plot-from a.md,b.md]
 
 Nodes are network namespaces joined by a bridge (tests/support/netcluster.py), each node's link
 unshaped or shaped with tbf (1 or 10 Gbit/s, burst 256kb, latency 50ms); ranks 2r and 2r+1 sit on node r,
 so a shard group of k = 2 consecutive ranks stays inside a node. Every case (nodes x ranks, link) is one
 gloo job (one thread a rank) that builds every mode side by side on zeroray's GPT (~25M parameters,
-fp32, AdamW, 2 sequences of 64 tokens a rank, so communication dominates) and steps them in turn, one
-step each a round, the order rotated every round, so that a shared machine's drifting load hits all
-modes alike:
+fp32, AdamW, 2 sequences of 64 tokens a rank; ``--batch 1 --seq 32`` makes communication dominate the step)
+and steps them in turn, one step each a round, the order rotated every round, so that a shared machine's
+drifting load hits all modes alike:
 
 - zeroray flat stage 3 (states sharded over all ranks);
 - zeroray hybrid k=2 at stage 3 and at stage 2 (sharded over the 2 ranks of a node, replicated across nodes);
+- zeroray hpZ (``hpz_partition_size=2``: backward's gathers from a secondary copy inside the node);
+- on 4 nodes and more (``--modes``): hybrid k=4 (a shard group of 2 nodes) alone and with hpZ h=2, the
+  combination that needs a shard group spanning nodes (with k = 2, h = 2 is the shard group and is dropped);
 - FSDP2 flat (``fully_shard`` over a 1-D mesh of all ranks) and FSDP2 HSDP (a (nodes, 2) mesh
   ``("replicate", "shard")``); each transformer block ``fully_shard``-ed, then the root.
 
@@ -24,9 +28,10 @@ inter-node when its group spans nodes, so flat ZeRO counts all its bytes there),
 hybrid: 2 x (Psi_padded / k) x 4 bytes per rank and micro-step; and the bytes that really crossed the
 links: the sum over nodes of each node NIC's sent bytes per step (read from /sys/class/net inside the
 node around each timed step). Prints a markdown table and writes it to
-benchmarks/results/hybrid/results.md. Needs root (network namespaces); the default cases take about 11
-minutes on 2 busy cores (``--cases 2x2:10gbit`` runs a 10 Gbit/s link too; it works,
-tried only on a 2M-parameter model).
+benchmarks/results/hybrid/results.md, with the load averages as each case began and ended. Needs root
+(network namespaces); the default six cases (2 and 3 nodes; 1 and 10 Gbit/s, unshaped) took about 30
+minutes with ``--steps 3 --warmup 1`` on 2 cores at load 40. The plot (step_vs_link.png beside ``--out``)
+has a panel for each file of ``--plot-from`` (default: ``--out``).
 
 ``--suite zeropp`` (issue 33) runs ZeRO++'s modes instead, on 2 and 3 nodes x 2 ranks, unshaped, 10 and 1
 Gbit/s, and writes benchmarks/results/zeropp/results.md: flat stage 3, hybrid k=2 stage 3, hpZ
@@ -53,6 +58,7 @@ import functools
 import importlib.util
 import os
 import platform
+import re
 import shlex
 import statistics
 import sys
@@ -81,6 +87,9 @@ ZERORAY_MODES: dict[str, dict[str, Any]] = {
     "zeroray-hybrid-s3": {"stage": 3, "shard_group_size": K},
     "zeroray-hybrid-s2": {"stage": 2, "shard_group_size": K},
     "zeroray-hpz-s3": {"stage": 3, "hpz_partition_size": HPZ},
+    # a shard group of 2 nodes (k = 4; 4 nodes and more): hybrid alone, and with hpZ's secondary copy inside the node
+    "zeroray-hybrid4-s3": {"stage": 3, "shard_group_size": 2 * K},
+    "zeroray-hybrid4-hpz-s3": {"stage": 3, "shard_group_size": 2 * K, "hpz_partition_size": HPZ},
     **{f"zeroray-zpp{bits}-s3": {"stage": 3, "hpz_partition_size": HPZ, "quantize": {
         "weights": True, "gradients": True, "block_size": QUANTIZE_BLOCK, "gradient_bits": bits}} for bits in (8, 4)},
     "zeroray-zpp8n-s3": {"stage": 3, "hpz_partition_size": HPZ, "quantize": {
@@ -97,6 +106,8 @@ MODE_NAMES = {
     "fsdp2-flat": "FSDP2 flat",
     "fsdp2-hsdp": f"FSDP2 HSDP ({K} a shard group)",
     "zeroray-hpz-s3": f"zeroray hpZ (h={HPZ}), stage 3",
+    "zeroray-hybrid4-s3": f"zeroray hybrid k={2 * K}, stage 3",
+    "zeroray-hybrid4-hpz-s3": f"zeroray hybrid k={2 * K} + hpZ (h={HPZ}), stage 3",
     "zeroray-zpp8-s3": "zeroray ZeRO++ (hpZ + qwZ + qgZ int8)",
     "zeroray-zpp4-s3": "zeroray ZeRO++ (hpZ + qwZ + qgZ int4)",
     "zeroray-zpp8n-s3": "zeroray ZeRO++ (hpZ + qwZ + qgZ int8, fp32 inside the node)",
@@ -163,11 +174,20 @@ class Suite:
 SUITES = {
     "hybrid": Suite(
         "Hybrid sharding vs flat ZeRO-3 and FSDP2 on the emulated multi-node cluster",
-        tuple(MODES), "2x2:none,2x2:1gbit,3x2:1gbit", RESULTS / "hybrid" / "results.md",
+        (*MODES, "zeroray-hpz-s3"), "2x2:none,2x2:10gbit,2x2:1gbit,3x2:none,3x2:10gbit,3x2:1gbit",
+        RESULTS / "hybrid" / "results.md",
         (("hybrid s3 / flat s3", "zeroray-hybrid-s3", "zeroray-flat-s3"),
          ("hybrid s2 / flat s3", "zeroray-hybrid-s2", "zeroray-flat-s3"),
+         ("hpZ / flat s3", "zeroray-hpz-s3", "zeroray-flat-s3"),
+         ("hybrid k=4 s3 / flat s3", "zeroray-hybrid4-s3", "zeroray-flat-s3"),
+         ("hybrid k=4 + hpZ / flat s3", "zeroray-hybrid4-hpz-s3", "zeroray-flat-s3"),
          ("hybrid s3 / FSDP2 HSDP", "zeroray-hybrid-s3", "fsdp2-hsdp"),
-         ("FSDP2 HSDP / FSDP2 flat", "fsdp2-hsdp", "fsdp2-flat"))),
+         ("FSDP2 HSDP / FSDP2 flat", "fsdp2-hsdp", "fsdp2-flat")),
+        notes=(f"hpZ: `hpz_partition_size={HPZ}` over a flat shard group of all ranks (backward's gathers read a"
+               " secondary copy inside the node). Hybrid + hpZ needs a shard group that spans nodes: with k = 2"
+               f" (a node) hpZ's h = {HPZ} is the shard group itself and is dropped (topology.build), so it runs"
+               f" as `shard_group_size={2 * K}, hpz_partition_size={HPZ}` on 4 nodes and more (`--cases 4x2:...`),"
+               f" beside hybrid k={2 * K} alone.",)),
     "zeropp": Suite(
         "ZeRO++ (hpZ, qwZ, qgZ) vs flat ZeRO-3, hybrid and hpZ alone on the emulated multi-node cluster",
         ("zeroray-flat-s3", "zeroray-hybrid-s3", "zeroray-hpz-s3", "zeroray-zpp8-s3", "zeroray-zpp4-s3",
@@ -193,18 +213,22 @@ SUITES = {
 UNSHAPED_GBIT = 21.0  # what an unshaped veth carried here (../shared/NOTES.md): the plot's x for "unshaped"
 
 
-def plot(md: Path, png: Path) -> None:
-    """Step time against link bandwidth, one line per mode and cluster shape, from ``md``'s first table
-    (so a plot can be redrawn from a committed result without running again)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def _series(md: Path) -> tuple[str, dict[tuple[str, str], list[tuple[float, float]]]]:
+    """A results file's setting (model and tokens, from its model line) and, from its first table, each
+    mode's (link Gbit/s, step s) points by mode and cluster shape."""
     gbit = {name: float(key.removesuffix("gbit")) for key, name in LINK_NAMES.items() if key != "none"}
     gbit[LINK_NAMES["none"]] = UNSHAPED_GBIT
+    setting = md.name
     series: dict[str, list[tuple[float, float]]] = {}
     for line in md.read_text().splitlines():
+        if line.startswith("- model: "):
+            model, tokens = line.removeprefix("- model: ").split(";")[:2]
+            setting = f"{model.removeprefix('zeroray GPT, ')};{tokens}"
+            continue
+        if line.startswith("- machine load"):  # the 1-minute load averages as each case began and ended
+            loads = [float(m) for m in re.findall(r"(\d+\.\d) \d+\.\d \d+\.\d", line)]
+            setting += f"; load {min(loads):.0f}-{max(loads):.0f}" if loads else ""
+            continue
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) < 4 or cells[1] not in gbit or cells[2] not in MODE_NAMES.values():
             continue
@@ -212,17 +236,34 @@ def plot(md: Path, png: Path) -> None:
             seconds = float(cells[3])
         except ValueError:
             continue
-        series.setdefault(f"{cells[2]} ({cells[0]})", []).append((gbit[cells[1]], seconds))
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for label, points in sorted(series.items()):
-        xs, ys = zip(*sorted(points), strict=True)
-        style = "--" if "FSDP2" in label else ":" if "DeepSpeed" in label else "-"
-        ax.plot(xs, ys, marker="o", linestyle=style, label=label)
-    ax.set_xscale("log")
-    ax.set_xlabel(f"link bandwidth per node, Gbit/s (unshaped veth: ~{UNSHAPED_GBIT:.0f})")
-    ax.set_ylabel("step time, s (median, slowest rank)")
-    ax.set_title("Step time against link bandwidth (emulated nodes x 2 ranks, 26M params)")
-    ax.legend(fontsize=7)
+        series.setdefault((cells[2], cells[0]), []).append((gbit[cells[1]], seconds))
+    return setting, series
+
+
+def plot(mds: list[Path], png: Path) -> None:
+    """Step time against link bandwidth, one panel per results file (a setting: model and tokens a rank),
+    one line per mode and cluster shape, from each file's first table (so a plot can be redrawn from
+    committed results without running again)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = dict(zip(MODE_NAMES.values(), plt.get_cmap("tab20").colors, strict=False))  # a mode's, in every panel
+    shapes = {"2x2": ("-", "o"), "3x2": ("--", "s")}  # line and marker of a cluster shape; others dotted
+    fig, axes = plt.subplots(1, len(mds), figsize=(7 * len(mds), 4.6), squeeze=False)
+    for ax, md in zip(axes[0], mds, strict=True):
+        setting, series = _series(md)
+        for (mode, shape), points in sorted(series.items()):
+            xs, ys = zip(*sorted(points), strict=True)
+            line, marker = shapes.get(shape, (":", "^"))
+            ax.plot(xs, ys, marker=marker, linestyle=line, color=colors[mode], label=f"{mode} ({shape})")
+        ax.set_xscale("log")
+        ax.set_xlabel(f"link bandwidth per node, Gbit/s (unshaped veth: ~{UNSHAPED_GBIT:.0f})")
+        ax.set_ylabel("step time, s (median, slowest rank)")
+        ax.set_title(f"emulated nodes x 2 ranks: {setting}", fontsize=9)
+        ax.legend(fontsize=6)
+    fig.suptitle("Step time against link bandwidth")
     fig.tight_layout()
     fig.savefig(png, dpi=110)
 
@@ -389,8 +430,10 @@ def summarize(per_rank: list[dict[str, Any]], mode: str, steps: int, link: str) 
     row["inter"] = None if scoped is None else sum(
         v for key, v in scoped.items() if key.startswith("inter_node:")) / steps
     row["formula"] = None
-    if "hybrid" in mode:
-        row["formula"] = 2 * (per_rank[0][mode]["psi_padded"] // K) * 4
+    zero = ZERORAY_MODES.get(mode, {})
+    k = zero.get("shard_group_size")
+    if k is not None and k <= RANKS_PER_NODE:  # shard groups inside nodes: only the replicas' all-reduce crosses
+        row["formula"] = 2 * (per_rank[0][mode]["psi_padded"] // k) * 4
     return row
 
 
@@ -400,7 +443,8 @@ def _mb(x: float | None) -> str:
 
 
 def render(rows: list[tuple[str, str, str, dict[str, Any]]], args: argparse.Namespace, n_params: int,
-           command: str, wall: float, kinds: dict[tuple[str, str], dict[str, float]], suite: Suite) -> str:
+           command: str, wall: float, kinds: dict[tuple[str, str], dict[str, float]], suite: Suite,
+           loads: dict[tuple[str, str], tuple[float, ...]]) -> str:
     """The results as markdown: the table, the ratios, what the columns mean, zeroray's bytes by kind."""
     lines = [
         f"# {suite.title}",
@@ -413,9 +457,12 @@ def render(rows: list[tuple[str, str, str, dict[str, Any]]], args: argparse.Name
         f" tokens a rank; median of {args.steps} steps after {args.warmup} warm-ups, slowest rank per step;"
         " the modes of a case live side by side in the same ranks and take one step each in turn (order rotated"
         " each round)",
-        f"- ranks {RANKS_PER_NODE} a node (ranks 2r, 2r+1 on node r); hybrid k = {K}; links shaped with tbf"
-        " (burst 256kb, latency 50ms) on both ends",
+        f"- ranks {RANKS_PER_NODE} a node (ranks 2r, 2r+1 on node r); hybrid k = {K} unless the mode names"
+        " another; links shaped with tbf (burst 256kb, latency 50ms) on both ends",
         f"- total wall time {wall:.0f} s",
+        "- machine load (1, 5, 15-minute load averages, `os.getloadavg()`) as each case began and ended: "
+        + "; ".join(f"{case} {LINK_NAMES[link]} {' '.join(f'{v:.1f}' for v in load[:3])}"
+                    f" -> {' '.join(f'{v:.1f}' for v in load[3:])}" for (case, link), load in loads.items()),
         "",
         "| nodes x ranks | link | mode | step s | inter-node MB/step/rank (comm_report) | formula MB | link MB/step"
         " | link floor s |",
@@ -458,9 +505,10 @@ def render(rows: list[tuple[str, str, str, dict[str, Any]]], args: argparse.Name
         " `engine.comm_report(by_scope=True)`, as zeroray counts them (an all-reduce of S bytes counts 2S, a"
         " gather or reduce-scatter of a full S-byte buffer counts S). Flat ZeRO's one group spans the nodes, so"
         " all its bytes are there, though much of its traffic stays inside a node.",
-        f"- *formula*: hybrid's inter-node bytes per rank and micro-step, 2 x (Psi_padded / k) x 4 with"
-        f" Psi_padded = sum(g.padded for g in engine.groups if g.trainable), k = {K} (the all-reduce of each"
-        " gradient shard over the N/k replicas, fp32).",
+        "- *formula*: hybrid's inter-node bytes per rank and micro-step, 2 x (Psi_padded / k) x 4 with"
+        " Psi_padded = sum(g.padded for g in engine.groups if g.trainable), k the mode's shard group (the"
+        " all-reduce of each gradient shard over the N/k replicas, fp32); none where the shard group spans nodes"
+        " (its gathers cross them too).",
         "- *link MB/step*: bytes that really crossed the links: the sum over nodes of the node NIC's sent bytes"
         " (headers included) over the timed steps, divided by the steps; the barriers add a few KB. A ring"
         " all-reduce of B bytes over r replicas sends 2 (r-1)/r x B per rank, so hybrid's link bytes should be"
@@ -496,15 +544,17 @@ def main() -> None:
                         help=f"add DeepSpeed's modes ({', '.join(DEEPSPEED_MODES)}) to the suite's")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds a case may run")
     parser.add_argument("--out", type=Path, help="results markdown (default: the suite's)")
-    parser.add_argument("--plot-only", action="store_true", help="redraw the plot from --out and stop")
+    parser.add_argument("--plot-only", action="store_true", help="redraw the plot from --plot-from and stop")
+    parser.add_argument("--plot-from", help="comma-separated results files, a panel each (default: --out)")
     args = parser.parse_args()
     suite = SUITES[args.suite].with_deepspeed() if args.deepspeed else SUITES[args.suite]
     args.out = args.out or suite.out
     args.cases = args.cases or suite.cases
     args.modes = args.modes or ",".join(suite.modes)
     png = args.out.with_name("step_vs_link.png")
+    panels = [Path(p) for p in args.plot_from.split(",")] if args.plot_from else [args.out]
     if args.plot_only:
-        plot(args.out, png)
+        plot(panels, png)
         return
     why = unavailable()
     if why:
@@ -532,12 +582,14 @@ def main() -> None:
     t0 = time.monotonic()
     rows: list[tuple[str, str, str, dict[str, Any]]] = []
     kinds: dict[tuple[str, str], dict[str, float]] = {}  # (nodes x ranks, mode): bytes a step; the link does not change them
+    loads: dict[tuple[str, str], tuple[float, ...]] = {}  # (nodes x ranks, link): load averages before and after
     with NetCluster(max(n for _, n, _ in cases)) as net:
         for shape, n_nodes, link in cases:
             for node in net.nodes:
                 net.shape(node, LINKS[link])
             placement = [net.nodes[r // RANKS_PER_NODE] for r in range(n_nodes * RANKS_PER_NODE)]
             t_case = time.time()
+            load_before = os.getloadavg()
             try:
                 per_rank = run_ranks(net, placement, bench_case, modes, args.params, args.steps, args.warmup,
                                      args.batch, args.seq, timeout_s=args.timeout,
@@ -545,7 +597,8 @@ def main() -> None:
             except (RuntimeError, TimeoutError) as e:  # the case is lost (every mode in it), the rest run
                 per_rank = None
                 case_error = f"{type(e).__name__}: {str(e).splitlines()[0]}"[:300]
-            print(f"{shape} {LINK_NAMES[link]}: {time.time() - t_case:.0f} s", flush=True)
+            loads[shape, link] = load_before + os.getloadavg()
+            print(f"{shape} {LINK_NAMES[link]}: {time.time() - t_case:.0f} s, load {loads[shape, link]}", flush=True)
             for mode in modes:
                 row = {"error": case_error} if per_rank is None else summarize(per_rank, mode, args.steps, link)
                 rows.append((shape, link, mode, row))
@@ -555,11 +608,11 @@ def main() -> None:
                                             f" link {_mb(row['link'])} MB/step, set-up {row['setup_s']:.1f} s")
                 print(f"[{time.monotonic() - t0:5.0f}s] {shape} {LINK_NAMES[link]:9s} {mode:18s} {status}", flush=True)
             # after every case, so that a later case's failure (a timeout on a loaded machine) keeps the rest
-            md = render(rows, args, n_params, command, time.monotonic() - t0, kinds, suite)
+            md = render(rows, args, n_params, command, time.monotonic() - t0, kinds, suite, loads)
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(md)
     print("\n" + md)
-    plot(args.out, png)
+    plot(panels, png)
 
 
 if __name__ == "__main__":

@@ -22,8 +22,12 @@ free pages go back to the OS after each unit's last reduction is launched and at
 
 ``on_final(group)`` (optional) is called once a group's gradient shard holds its final value for the
 step (its reduction on the accumulation boundary is done): CPU offload on CUDA starts the shard's
-device-to-host copy there. With it, finished reductions are completed as later ones are launched, so
-the copies of the first reduced groups overlap the rest of backward.
+device-to-host copy there.
+
+Finished reductions are completed, oldest first, as gradients arrive, so their callbacks run during
+backward: the device-to-host copies of the first reduced groups, and under hybrid sharding each group's
+all-reduce across the replicas (issued once its reduction inside the shard group is done, like a DDP
+bucket's), overlap the rest of backward; only the last groups' are waited at its end.
 """
 
 from __future__ import annotations
@@ -149,6 +153,10 @@ class GradReducer:
         self._remaining[g] -= 1
         if self._remaining[g] == 0 and self._reduces_now and self.overlap:
             self._launch(g)
+        # Complete what has finished, in launch order (so every rank issues the same collectives in the same
+        # order): a hybrid group's replica all-reduce starts here, as soon as its in-group reduction is done,
+        # and runs under the rest of backward instead of after it.
+        self._inflight.poll()
 
     def _launch(self, g: FlatGroup) -> None:
         buf = self._buffer(g)
@@ -164,8 +172,6 @@ class GradReducer:
             handle = handle.then(lambda: on_final(g))
         # Only temporaries count against the bound: persistent buffers (stages 0-1) cost nothing.
         self._inflight.add(handle, g.padded if temporary else 0)
-        if self._on_final is not None:
-            self._inflight.poll()
         unit = self._unit_of.get(g)
         if unit is not None and unit.reduced(g) and self._trimmer is not None:
             self._trimmer.trim()  # the unit's gradients were copied out and dropped
