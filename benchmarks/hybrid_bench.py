@@ -194,6 +194,7 @@ SUITES = {
          "zeroray-qwz-qgz8-s3"),
         "2x2:none,2x2:10gbit,2x2:1gbit,3x2:none,3x2:10gbit,3x2:1gbit", RESULTS / "zeropp" / "results.md",
         (("ZeRO++ int8 / hpZ", "zeroray-zpp8-s3", "zeroray-hpz-s3"),
+         ("ZeRO++ int8, fp32 in node / hpZ", "zeroray-zpp8n-s3", "zeroray-hpz-s3"),
          ("ZeRO++ int4 / hpZ", "zeroray-zpp4-s3", "zeroray-hpz-s3"),
          ("ZeRO++ int8 / flat s3", "zeroray-zpp8-s3", "zeroray-flat-s3"),
          ("qwZ+qgZ / flat s3", "zeroray-qwz-qgz8-s3", "zeroray-flat-s3"),
