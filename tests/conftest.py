@@ -22,15 +22,6 @@ def pytest_configure(config: pytest.Config) -> None:
         config.option.reportchars = chars + "s"
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The modules that use the session's Ray cluster (``ray_cluster``) run after the others, each module
-    whole and in its own order (a stable sort). The cluster starts with the first test that asks for it and
-    lives to the end of the session; idle, with its dashboard and 1 s metrics, it takes about a tenth of a
-    core here, which the CPU-bound engine tests would otherwise lose for most of the run."""
-    uses = {item.nodeid.split("::")[0] for item in items if "ray_cluster" in getattr(item, "fixturenames", ())}
-    items.sort(key=lambda item: item.nodeid.split("::")[0] in uses)
-
-
 @pytest.fixture(scope="session")
 def ray_cluster() -> Iterator[dict[str, str]]:
     """One real local Ray cluster for the whole session (4 logical CPUs, dashboard on for the state API).
