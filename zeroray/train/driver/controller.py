@@ -500,8 +500,10 @@ class Controller:
         def unexplained() -> bool:
             return len(by_rank) < len(self.group.actors) and all(f.secondary for f in by_rank.values())
 
+        probed = False
         while unexplained():
-            by_rank.update({f.rank: f for f in self._lost_with_their_node(set(by_rank))})
+            by_rank.update({f.rank: f for f in self._lost_with_their_node(by_rank)})
+            probed = True
             if not unexplained():
                 break
             grace = FAILURE_GRACE_S
@@ -512,6 +514,12 @@ class Controller:
             time.sleep(POLL_INTERVAL_S)
             status = self._poll_group(FAILURE_GRACE_S)
             by_rank.update({f.rank: f for f in status.failures})
+            probed = False
+        if not probed and any(getattr(f, "actor_died", False) for f in by_rank.values()):
+            # Ray named a dead rank first: its node may be gone with it, and with the node the ranks on it that
+            # reported only a peer's failure (their processes end a moment later; kept, they would fail the
+            # next group's start).
+            by_rank.update({f.rank: f for f in self._lost_with_their_node(by_rank)})
         if all(f.secondary for f in by_rank.values()):
             # No root cause yet: a rank that has not answered since its peers failed is the likely one (its
             # process or node is gone, and Ray has not said so yet: a lost node waits for its health check).
@@ -522,14 +530,15 @@ class Controller:
                               "(Ray has not reported it dead yet)", "")
         return list(by_rank.values())
 
-    def _lost_with_their_node(self, known: set[int]) -> list[WorkerFailure]:
-        """The ranks (not in ``known``) whose node is gone now (``liveness.lost_nodes``: Ray lists it dead, or its
-        raylet refuses connections, which proves it before Ray's health check does), each a first-hand failure;
-        from now on the scaling policy counts those nodes for nothing, so the next group neither waits for them
-        nor is placed on them."""
+    def _lost_with_their_node(self, known: dict[int, Failure]) -> list[WorkerFailure]:
+        """The ranks without a first-hand failure in ``known`` (none, or only a peer's: a rank on a lost node may
+        report its broken collective before its process ends) whose node is gone now (``liveness.lost_nodes``:
+        Ray lists it dead, or its raylet refuses connections, which proves it before Ray's health check does),
+        each a first-hand failure; from now on the scaling policy counts those nodes for nothing, so the next
+        group neither waits for them nor is placed on them."""
         assert self.group is not None
         group = self.group
-        ranks = [r for r in range(len(group.actors)) if r not in known]
+        ranks = [r for r in range(len(group.actors)) if r not in known or getattr(known[r], "secondary", False)]
         nodes = {group.node_of(r) for r in ranks} - {None}
         try:
             lost = lost_nodes(nodes)
