@@ -14,8 +14,9 @@ import torch.distributed as dist
 
 from tests.support.dist import run_ranks
 from zeroray.config import CommConfig
-from zeroray.engine.quantize import BlockQuantizer
+from zeroray.engine.quantize import BlockQuantizer, QuantizeKernels
 from zeroray.engine.quantized_comm import QuantizedGather, QuantizedReduceScatter
+from zeroray.engine.scratch import ScratchPool
 from zeroray.engine.topology import Topology, _node_runs
 
 
@@ -60,7 +61,11 @@ def test_whole_blocks_quantize_as_the_padded_path_does(bits: int, dtype: torch.d
     assert torch.equal(scales.isnan(), more.isnan()) and torch.equal(scales.nan_to_num(), more.nan_to_num())
     assert not scales[1, 0].signbit() and scales[1, 0] == 0
     strided = torch.cat([x[:, :256], x[:, :256]], dim=1)[:, ::2]  # every other value: a strided (3, 256) view
-    assert torch.equal(q.quantize(strided), q.quantize(strided.contiguous()))
+    a, b = q.quantize(strided), q.quantize(strided.contiguous())
+    assert torch.equal(a[:, :cb], b[:, :cb])
+    # A strided row is copied to fp32 first: a nan scale may then carry another nan payload (fp16), still nan.
+    sa, sb = a[:, cb:].view(torch.float32), b[:, cb:].view(torch.float32)
+    assert torch.equal(sa.isnan(), sb.isnan()) and torch.equal(sa.nan_to_num(), sb.nan_to_num())
 
 
 def test_codes_scales_and_nibble_order() -> None:
@@ -187,3 +192,38 @@ def test_quantized_reduce_scatter_and_gather_equal_the_quantizer_by_hand(bits: i
         want = torch.cat([q8.dequantize(q8.quantize(_inputs(s)[1].to(torch.bfloat16).view(1, S)), S)[0] for s in range(N)])
         assert torch.equal(r["gather"][0], want.to(torch.bfloat16))  # every rank, its own shard too
         assert r["gather"][1] == {"inter_node:all_gather_int8": N * q8.row_bytes(S)}
+
+
+def test_scratch_pool_hands_back_the_memory_it_was_given() -> None:
+    pool = ScratchPool()
+    a = pool.take((4, 8), torch.float32, torch.device("cpu"))
+    assert a.shape == (4, 8) and a.dtype == torch.float32 and a.is_contiguous()
+    ptr = a.data_ptr()
+    pool.give(a)
+    assert pool.cached_bytes() == 128
+    b = pool.take((128,), torch.uint8, torch.device("cpu"))  # the same byte size, any shape and dtype
+    assert b.data_ptr() == ptr and pool.cached_bytes() == 0
+    c = pool.take((4, 8), torch.float32, torch.device("cpu"))  # in use: a new buffer
+    assert c.data_ptr() != ptr
+    pool.give(b, c)
+    assert pool.cached_bytes() == 256
+    pool.clear()
+    assert pool.cached_bytes() == 0
+
+
+def test_pooled_kernels_equal_the_quantizer_and_reuse_buffers() -> None:
+    """QuantizeKernels on CPU: the same bytes and values as the plain quantizer, into pooled buffers."""
+    q = BlockQuantizer(8, 64)
+    kernels = QuantizeKernels(q, compiled=False)
+    x = torch.randn(3, 200, generator=torch.Generator().manual_seed(0))
+    rows = torch.randn(2, 3, 200, generator=torch.Generator().manual_seed(1)).transpose(0, 1)  # strided rows
+    for t in (x, rows):
+        codes = kernels.quantize(t)
+        assert torch.equal(codes, q.quantize(t))
+        values = kernels.dequantize(codes, 200)
+        assert torch.equal(values, q.dequantize(q.quantize(t), 200))
+        into = torch.empty(codes.shape[0], 200, dtype=torch.bfloat16)
+        assert torch.equal(kernels.dequantize(codes, 200, out=into), q.dequantize(codes, 200).to(torch.bfloat16))
+        ptrs = {codes.data_ptr(), values.data_ptr()}
+        kernels.release(codes, values)
+        assert {kernels.quantize(t).data_ptr(), kernels.dequantize(codes, 200).data_ptr()} == ptrs

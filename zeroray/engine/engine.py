@@ -30,6 +30,7 @@ from zeroray.engine.comm import InFlight
 from zeroray.engine.flat_group import FlatGroup
 from zeroray.engine.materialize import InitFn
 from zeroray.engine.phase_timer import StepTimes
+from zeroray.engine.scratch import ScratchPool
 from zeroray.engine.shard_state import GroupShard, GroupSource, ShardRange, ShardStateCopy
 from zeroray.engine.sharded_optim import GradShards, OptimizerArg
 
@@ -471,6 +472,11 @@ class ZeroEngine:
         with self._phases.phase("comm_wait"):
             gathers.wait_all()
 
+    def _quantize_pools(self) -> list[ScratchPool]:
+        """The buffer pools of the groups' quantized collectives (qwZ and qgZ share them across groups)."""
+        kernels = {id(c.quantizer): c.quantizer for g in self.groups for c in (g.qwz, g.qgz) if c is not None}
+        return [k.pool for k in kernels.values()]
+
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds persistently, by category (master weights count under optimizer; hpZ's
         secondary parameters, held between a unit's forward and backward, under ``params_secondary``)."""
@@ -486,6 +492,8 @@ class ZeroEngine:
         report["master_weights"] = opt["master"]
         report["grad_buffers_cached"] = self.reducer.cached_bytes()  # reused temporaries, stages 2-3
         report["gather_buffers_cached"] = self.gather_pool.cached_bytes()  # free gather memory, stage 3
+        # ZeRO++: the quantized collectives' reused temporaries (CPU), between collectives
+        report["quantize_buffers_cached"] = sum(p.cached_bytes() for p in self._quantize_pools())
         report["optimizer_states"] = opt["states"]
         # Of "grads": sharded gradient shards (stages 2-3) given back now, between steps; a backward's first
         # reduction takes them again, so they are in "total", which is the step's persistent peak.
@@ -609,6 +617,8 @@ class ZeroEngine:
                 for g in self.groups:
                     g.keep_gathered()
         self.gather_pool.clear()
+        for pool in self._quantize_pools():
+            pool.clear()
         if self._guard is not None:
             self._guard.remove()
         self._template_hook.remove()

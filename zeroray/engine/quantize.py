@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from zeroray.engine.scratch import ScratchPool
+
 SCALE_BYTES = 4  # one fp32 scale per block
 BITS = (4, 8)
 
@@ -51,27 +53,30 @@ class BlockQuantizer:
         """Bytes of one quantized row of ``n`` values: codes, then the scales."""
         return self.code_bytes(n) + self.blocks(n) * SCALE_BYTES
 
-    def quantize(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def quantize(self, x: torch.Tensor, out: torch.Tensor | None = None, work: torch.Tensor | None = None) -> torch.Tensor:
         """Quantize each row of ``x`` (``(..., n)``, any float dtype and strides; R rows in all) into ``out``
-        (uint8 ``(R, row_bytes(n))``, made when None); returns ``out``."""
+        (uint8 ``(R, row_bytes(n))``, made when None); returns ``out``. ``work``: an fp32 ``(R, padded)``
+        buffer for the intermediate values (made when None)."""
         n = x.shape[-1]
         rows = x.numel() // n
         nb, padded, cb = self.blocks(n), self.blocks(n) * self.block, self.code_bytes(n)
         if out is None:
             out = torch.empty(rows, self.row_bytes(n), dtype=torch.uint8, device=x.device)
-        if padded == n:  # whole blocks: read x where it lies, with no padded fp32 copy of it
-            blocks = x.reshape(rows, nb, self.block)
-        else:
-            values = torch.empty(*x.shape[:-1], padded, dtype=torch.float32, device=x.device)
-            values[..., :n].copy_(x)
-            values[..., n:].zero_()
-            blocks = values.view(rows, nb, self.block)
+        if work is None:
+            work = torch.empty(rows, padded, dtype=torch.float32, device=x.device)
+        work = work.view(rows, nb, self.block)
+        blocks = x.view(rows, nb, self.block) if padded == n and x.is_contiguous() else None
+        if blocks is None:  # padded, or rows that do not view as one: copied into work (whose tail is zeroed)
+            flat = work.view(*x.shape[:-1], padded)
+            flat[..., :n].copy_(x)
+            flat[..., n:].zero_()
+            blocks = work
         # Each block's largest magnitude as max(max, -min), with no |x| tensor (a pass and an allocation fewer);
         # abs_ makes a block of -0.0 scale +0.0, as |x| would. (rows, nb); inf or nan where the block has one.
         scale = torch.maximum(blocks.amax(-1), blocks.amin(-1).neg()).to(torch.float32).abs_().div_(self.qmax)
         inv = torch.where(scale > 0, scale.reciprocal(), torch.zeros((), dtype=scale.dtype, device=scale.device))
         # In fp32 whatever x's dtype (type promotion), so the codes are those of x converted first.
-        codes = torch.mul(blocks, inv.unsqueeze(-1)).round_().clamp_(-self.qmax, self.qmax).view(rows, padded)
+        codes = torch.mul(blocks, inv.unsqueeze(-1), out=work).round_().clamp_(-self.qmax, self.qmax).view(rows, padded)
         if self.bits == 8:
             out[:, :cb].view(torch.int8).copy_(codes)
         else:  # two codes a byte: the first in the low nibble
@@ -80,17 +85,26 @@ class BlockQuantizer:
         out[:, cb:].view(torch.float32).copy_(scale)
         return out
 
-    def dequantize(self, q: torch.Tensor, n: int) -> torch.Tensor:
-        """The fp32 values ``(R, n)`` of the quantized rows ``q`` (uint8 ``(R, row_bytes(n))``)."""
+    def dequantize(self, q: torch.Tensor, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The values ``(R, n)`` of the quantized rows ``q`` (uint8 ``(R, row_bytes(n))``), computed in fp32 and
+        written into ``out`` (any float dtype; its last dimension contiguous; fp32, made when None)."""
         rows = q.shape[0]
         nb, padded, cb = self.blocks(n), self.blocks(n) * self.block, self.code_bytes(n)
+        if out is None:
+            out = torch.empty(rows, n, dtype=torch.float32, device=q.device)
         codes = q[:, :cb]
         if self.bits == 8:
-            values = codes.view(torch.int8).to(torch.float32)
+            codes = codes.view(torch.int8)
         else:
-            values = torch.stack((codes & 15, codes >> 4), dim=-1).view(rows, padded).to(torch.float32).sub_(8)
+            codes = torch.stack((codes & 15, codes >> 4), dim=-1).view(rows, padded).view(torch.int8).sub_(8)
         scale = q[:, cb:].view(torch.float32)
-        return values.view(rows, nb, self.block).mul_(scale.unsqueeze(-1)).view(rows, padded)[:, :n]
+        whole = n // self.block  # blocks wholly inside the row; the last one may be cut short
+        if whole:
+            torch.mul(codes[:, : whole * self.block].unflatten(1, (whole, self.block)), scale[:, :whole, None],
+                      out=out[:, : whole * self.block].unflatten(1, (whole, self.block)))
+        if whole < nb:
+            torch.mul(codes[:, whole * self.block : n], scale[:, whole:], out=out[:, whole * self.block :])
+        return out
 
 
 class QuantizeKernels:
@@ -100,12 +114,46 @@ class QuantizeKernels:
     dynamic-shape kernels measured no faster than the eager ops there, and a run has few distinct sizes (a
     unit's shard, the root's). The compiled ops may round a value that lies within an ulp of a half-step the
     other way than the eager ops do (0.02-0.05% of bf16 codes, by one step), so a run is deterministic for a
-    fixed choice, which every rank makes alike: it follows the device type."""
+    fixed choice, which every rank makes alike: it follows the device type.
+
+    The buffers the ops write, and those of the collectives around them, come from a
+    :class:`~zeroray.engine.scratch.ScratchPool`: on CPU, reused memory instead of fresh pages."""
 
     def __init__(self, quantizer: BlockQuantizer, compiled: bool):
         self.quantizer = quantizer
-        self.quantize = quantizer.quantize
-        self.dequantize = quantizer.dequantize
+        self.compiled = compiled
+        self.pool = ScratchPool()
+        self._quantize, self._dequantize = quantizer.quantize, quantizer.dequantize
         if compiled:
-            self.quantize = torch.compile(quantizer.quantize, dynamic=False)
-            self.dequantize = torch.compile(quantizer.dequantize, dynamic=False)
+            self._quantize = torch.compile(quantizer.quantize, dynamic=False)
+            self._dequantize = torch.compile(quantizer.dequantize, dynamic=False)
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A buffer for a collective of these kernels' (give it back with :meth:`release` once it is done)."""
+        return self.pool.take(shape, dtype, device)
+
+    def quantize(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``'s rows quantized (``BlockQuantizer.quantize``), into a buffer to :meth:`release` once sent."""
+        if self.compiled:
+            return self._quantize(x)
+        q, n = self.quantizer, x.shape[-1]
+        rows = x.numel() // n
+        out = self.pool.take((rows, q.row_bytes(n)), torch.uint8, x.device)
+        work = self.pool.take((rows, q.blocks(n) * q.block), torch.float32, x.device)
+        self._quantize(x, out, work)
+        self.pool.give(work)
+        return out
+
+    def dequantize(self, q: torch.Tensor, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The values of the quantized rows ``q`` (``BlockQuantizer.dequantize``) in ``out``; when None, in an
+        fp32 buffer to :meth:`release` once read."""
+        if self.compiled:
+            values = self._dequantize(q, n)
+            return values if out is None else out.copy_(values)
+        if out is None:
+            out = self.pool.take((q.shape[0], n), torch.float32, q.device)
+        return self._dequantize(q, n, out)
+
+    def release(self, *tensors: torch.Tensor) -> None:
+        """Give back buffers from :meth:`empty`, :meth:`quantize` or :meth:`dequantize` that nothing uses now."""
+        self.pool.give(*tensors)

@@ -43,9 +43,14 @@ class QuantizedGather:
         the values land, dequantized, when the handle is waited."""
         q, world, s = self.quantizer, comm.world_size, shard.numel()
         send = q.quantize(shard.view(1, s))
-        recv = torch.empty(world, send.shape[1], dtype=torch.uint8, device=send.device)
+        recv = q.empty((world, send.shape[1]), torch.uint8, send.device)
         handle = comm.all_gather(recv.view(-1), send.view(-1), async_op=True, kind=self.kind)
-        return handle.then(lambda: full.view(world, s).copy_(q.dequantize(recv, s)))
+
+        def land() -> None:
+            q.dequantize(recv, s, out=full.view(world, s))
+            q.release(send, recv)
+
+        return handle.then(land)
 
 
 class QuantizedReduceScatter:
@@ -77,25 +82,44 @@ class QuantizedReduceScatter:
             return self._exchange(self.comm, full.view(self.comm.world_size, -1), out)
         m, n, s = self.node.world_size, self.cross.world_size, out.numel()
         # Inside the node: to the peer at place l go the rows of ranks j*m + l, for every node j.
-        partial = torch.empty(n, s, dtype=torch.float32, device=out.device)
+        partial = self.quantizer.empty((n, s), torch.float32, out.device)
         rows = full.view(n, m, s).transpose(0, 1)
         inner = self._exchange(self.node, rows, partial) if self.quantize_node else self._exact(self.node, rows, partial)
-        return Chain(inner, lambda: self._exchange(self.cross, partial, out))
+        return Chain(inner, lambda: self._exchange(self.cross, partial, out).then(lambda: self.quantizer.release(partial)))
 
     def _exchange(self, comm: Comm, rows: torch.Tensor, out: torch.Tensor) -> Handle:
         """Send quantized ``rows`` (``(world, ..., S)``: the first index is the destination) and sum, in fp32, the
         rows received into ``out`` (``(..., S)``)."""
         q, s = self.quantizer, out.shape[-1]
         send = q.quantize(rows)
-        recv = torch.empty_like(send)
+        recv = q.empty(tuple(send.shape), torch.uint8, send.device)
         handle = comm.all_to_all(recv.view(-1), send.view(-1), self.kind, async_op=True)
         world = comm.world_size
-        return handle.then(lambda: out.copy_(q.dequantize(recv, s).reshape(world, *out.shape).sum(0)))
 
-    @staticmethod
-    def _exact(comm: Comm, rows: torch.Tensor, out: torch.Tensor) -> Handle:
+        def land() -> None:
+            values = q.dequantize(recv, s)
+            _sum_rows(values.view(world, *out.shape), out)
+            q.release(send, recv, values)
+
+        return handle.then(land)
+
+    def _exact(self, comm: Comm, rows: torch.Tensor, out: torch.Tensor) -> Handle:
         """``_exchange`` in full precision: the rows as they are, summed in fp32 into ``out``."""
-        send = rows.contiguous()
-        recv = torch.empty_like(send)
+        q = self.quantizer
+        send = q.empty(tuple(rows.shape), rows.dtype, rows.device).copy_(rows)
+        recv = q.empty(tuple(rows.shape), rows.dtype, rows.device)
         handle = comm.all_to_all(recv.view(-1), send.view(-1), "all_to_all", async_op=True)
-        return handle.then(lambda: torch.sum(recv, 0, dtype=torch.float32, out=out))
+
+        def land() -> None:
+            torch.sum(recv, 0, dtype=torch.float32, out=out)
+            q.release(send, recv)
+
+        return handle.then(land)
+
+
+def _sum_rows(values: torch.Tensor, out: torch.Tensor) -> None:
+    """``out`` = the fp32 sum of ``values`` over its first dimension (written in place where ``out`` is fp32)."""
+    if out.dtype == torch.float32:
+        torch.sum(values, 0, out=out)
+    else:
+        out.copy_(values.sum(0))
