@@ -90,13 +90,16 @@ ZERORAY_MODES: dict[str, dict[str, Any]] = {
     # a shard group of 2 nodes (k = 4; 4 nodes and more): hybrid alone, and with hpZ's secondary copy inside the node
     "zeroray-hybrid4-s3": {"stage": 3, "shard_group_size": 2 * K},
     "zeroray-hybrid4-hpz-s3": {"stage": 3, "shard_group_size": 2 * K, "hpz_partition_size": HPZ},
+    # ZeRO++'s own form, quantized inside the node too (the default on CUDA), and (zpp8n) fp32 inside the node
     **{f"zeroray-zpp{bits}-s3": {"stage": 3, "hpz_partition_size": HPZ, "quantize": {
-        "weights": True, "gradients": True, "block_size": QUANTIZE_BLOCK, "gradient_bits": bits}} for bits in (8, 4)},
+        "weights": True, "gradients": True, "block_size": QUANTIZE_BLOCK, "gradient_bits": bits,
+        "intra_node_gradients": True}} for bits in (8, 4)},
     "zeroray-zpp8n-s3": {"stage": 3, "hpz_partition_size": HPZ, "quantize": {
         "weights": True, "gradients": True, "block_size": QUANTIZE_BLOCK, "gradient_bits": 8,
         "intra_node_gradients": False}},
     "zeroray-qwz-qgz8-s3": {"stage": 3, "quantize": {
-        "weights": True, "gradients": True, "block_size": QUANTIZE_BLOCK, "gradient_bits": 8}},
+        "weights": True, "gradients": True, "block_size": QUANTIZE_BLOCK, "gradient_bits": 8,
+        "intra_node_gradients": True}},
 }
 MODES = ["zeroray-flat-s3", "zeroray-hybrid-s3", "zeroray-hybrid-s2", "fsdp2-flat", "fsdp2-hsdp"]
 MODE_NAMES = {
@@ -110,7 +113,7 @@ MODE_NAMES = {
     "zeroray-hybrid4-hpz-s3": f"zeroray hybrid k={2 * K} + hpZ (h={HPZ}), stage 3",
     "zeroray-zpp8-s3": "zeroray ZeRO++ (hpZ + qwZ + qgZ int8)",
     "zeroray-zpp4-s3": "zeroray ZeRO++ (hpZ + qwZ + qgZ int4)",
-    "zeroray-zpp8n-s3": "zeroray ZeRO++ (hpZ + qwZ + qgZ int8, fp32 inside the node)",
+    "zeroray-zpp8n-s3": "zeroray ZeRO++ (hpZ + qwZ + qgZ int8, fp32 inside the node: the CPU default)",
     "zeroray-qwz-qgz8-s3": "zeroray qwZ + qgZ int8, no hpZ",
     "deepspeed-flat-s3": "DeepSpeed ZeRO-3 flat",
     "deepspeed-hpz-s3": f"DeepSpeed hpZ (zero_hpz_partition_size={HPZ})",

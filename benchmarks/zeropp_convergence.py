@@ -13,7 +13,8 @@ precision: it passes no ``precision`` to ZeroConfig). World 4 on the emulated cl
 across). ZeRO stage 3 for every mode.
 
 Data: every mode sees the same windows in the same steps, chosen by global sample index as the example's
-elastic path does (``windows_at``): step s, rank r trains on samples [s*32 + 8r, s*32 + 8r + 8). Weights:
+elastic path did when this study was first run (``windows_at`` below; the example now reads a Parquet file of
+windows through Ray Data, and the study keeps the placement its recorded runs used): step s, rank r trains on samples [s*32 + 8r, s*32 + 8r + 8). Weights:
 ``torch.manual_seed(1337)`` before the model is built, as in the example. The logged loss of a step is the
 mean over the 4 ranks of their micro-batch losses (the global batch's loss).
 
@@ -49,6 +50,7 @@ import datetime
 import json
 import math
 import platform
+import re
 import shlex
 import sys
 import time
@@ -70,11 +72,13 @@ EXAMPLE = {"batch": 8, "block": 128, "n_layer": 4, "n_embd": 256, "n_head": 4, "
 MODES: dict[str, dict[str, Any]] = {
     "baseline": {},
     "qwZ": {"weights": True},
-    "qgZ int8": {"gradients": True, "gradient_bits": 8},
-    "qgZ int4": {"gradients": True, "gradient_bits": 4},
-    "qwZ+qgZ int8": {"weights": True, "gradients": True, "gradient_bits": 8},
-    "qwZ+qgZ int4": {"weights": True, "gradients": True, "gradient_bits": 4},
-    "qwZ+qgZ int8 (repeat)": {"weights": True, "gradients": True, "gradient_bits": 8},
+    # qgZ in ZeRO++'s own form, quantized inside the node too (two roundings; the default on CUDA, and the form
+    # the recorded runs used): the CPU default's fp32 stage inside the node rounds once, so it errs less
+    "qgZ int8": {"gradients": True, "gradient_bits": 8, "intra_node_gradients": True},
+    "qgZ int4": {"gradients": True, "gradient_bits": 4, "intra_node_gradients": True},
+    "qwZ+qgZ int8": {"weights": True, "gradients": True, "gradient_bits": 8, "intra_node_gradients": True},
+    "qwZ+qgZ int4": {"weights": True, "gradients": True, "gradient_bits": 4, "intra_node_gradients": True},
+    "qwZ+qgZ int8 (repeat)": {"weights": True, "gradients": True, "gradient_bits": 8, "intra_node_gradients": True},
     # A control, not a ZeRO++ mode: the baseline with every initial weight scaled by (1 + 1e-6 x N(0, 1)) (about
     # 8 fp32 ulps), to show how far a run drifts from the baseline from a perturbation far below any quantizer's
     # (the chaotic spread of this recipe's curves); run with --modes, not in "all".
@@ -85,6 +89,7 @@ WEIGHT_BLOCKS = (64, 256, 2048)
 PROBE_GROUP = "transformer.h.1"  # the block whose gathered weight is reported on its own (group "<unit>/pg0")
 SMOOTH = 20  # trailing moving-average window of the smoothed curves
 LAST = 20  # the final loss: mean of the last LAST steps
+SEED = 1337  # examples/train_gpt.py's seed of the initial weights
 
 
 # --------------------------------------------------------------------------------------------- ranks
@@ -181,7 +186,7 @@ class GradTap:
         return {"sums": sums, "largest_numel": largest_numel}
 
 
-def _build(rank: int, world: int, name: str, batch: int) -> dict[str, Any]:
+def _build(rank: int, world: int, name: str, batch: int, seed: int) -> dict[str, Any]:
     import torch
     from train_gpt import adamw, gpt_config
 
@@ -189,7 +194,7 @@ def _build(rank: int, world: int, name: str, batch: int) -> dict[str, Any]:
     from zeroray.models.gpt import GPT
 
     cfg = {k: EXAMPLE[k] for k in ("block", "n_layer", "n_embd", "n_head")}
-    torch.manual_seed(1337)  # as the example: the same initial weights on every rank and in every mode
+    torch.manual_seed(seed)  # as the example (1337): the same initial weights on every rank and in every mode
     model = GPT(gpt_config(cfg))
     perturb = MODES[name].get("_perturb")
     if perturb:
@@ -219,10 +224,20 @@ def _dump_partial(progress: str, rank: int, runs: dict[str, Any], names: list[st
     tmp.replace(path)
 
 
+def windows_at(data: Any, indices: range, block: int) -> tuple[Any, Any]:
+    """The windows of global sample indices: sample i always starts at the same place (Knuth's multiplicative
+    hash), whatever the world size; inputs and next-byte targets."""
+    import torch
+
+    starts = [(i * 2654435761) % (len(data) - block - 1) for i in indices]
+    x = torch.stack([data[s : s + block] for s in starts])
+    y = torch.stack([data[s + 1 : s + 1 + block] for s in starts])
+    return x.long(), y.long()
+
+
 def _validate(engine: Any, val_data: Any, rank: int, world: int, block: int) -> float:
     """This rank's mean loss over 4 fixed batches of 8 held-out windows (the same in every mode)."""
     import torch
-    from train_gpt import windows_at
 
     engine.eval()
     vals = []
@@ -237,14 +252,14 @@ def _validate(engine: Any, val_data: Any, rank: int, world: int, block: int) -> 
 
 
 def train(rank: int, world: int, names: list[str], steps: int, measure_steps: list[int], batch: int,
-          progress: str | None = None) -> dict[str, Any]:
+          seed: int, progress: str | None = None) -> dict[str, Any]:
     """Every mode in ``names`` on this rank, side by side: returns per mode its per-step local losses and
     step seconds, the error measurements and the final validation loss. Rank 0 appends a line per round
     to ``progress`` (a file), if given, and every rank writes what it has so far to ``<progress>.rank<r>.json``
     every 10 steps (``--from-partial`` reports from them)."""
     import torch
     import torch.distributed as dist
-    from train_gpt import DATA, lr_at, windows_at
+    from train_gpt import DATA, lr_at
 
     start = time.perf_counter()
     data = torch.frombuffer(bytearray(DATA.read_bytes()), dtype=torch.uint8)
@@ -254,7 +269,7 @@ def train(rank: int, world: int, names: list[str], steps: int, measure_steps: li
     schedule = {"warmup": max(1, steps // 15), "steps": steps, "lr": EXAMPLE["lr"]}
     runs = {}
     for name in names:
-        runs[name] = _build(rank, world, name, batch)
+        runs[name] = _build(rank, world, name, batch, seed)
         dist.barrier()
     setup_s = time.perf_counter() - start
     log = open(progress, "a") if progress and rank == 0 else None  # noqa: SIM115 - open for the whole run
@@ -315,11 +330,11 @@ def train(rank: int, world: int, names: list[str], steps: int, measure_steps: li
 # --------------------------------------------------------------------------------------------- driver
 
 
-def run_job(names: list[str], steps: int, measure_steps: list[int], batch: int, timeout_s: float,
+def run_job(names: list[str], steps: int, measure_steps: list[int], batch: int, seed: int, timeout_s: float,
             progress: str | None) -> list[dict[str, Any]]:
     with NetCluster(NODES) as net:
         placement = [net.nodes[r // RANKS_PER_NODE] for r in range(NODES * RANKS_PER_NODE)]
-        return run_ranks(net, placement, train, names, steps, measure_steps, batch, progress,
+        return run_ranks(net, placement, train, names, steps, measure_steps, batch, seed, progress,
                          timeout_s=timeout_s)
 
 
@@ -363,13 +378,29 @@ def moving_average(xs: list[float], w: int) -> list[float]:
     return out
 
 
+def _seeded(name: str, seed: int) -> str:
+    """The name of ``name``'s run from another seed's job."""
+    return f"{name} (seed {seed})"
+
+
+def _seed_of(name: str) -> tuple[str, int]:
+    """(the run's name without its seed, its seed)."""
+    m = re.fullmatch(r"(.*) \(seed (\d+)\)", name)
+    return (m.group(1), int(m.group(2))) if m else (name, SEED)
+
+
 def analyse(runs: dict[str, Any], steps: int) -> dict[str, Any]:
+    """Each run against the baseline of its seed; then each mode run at every seed, its mean curve over the
+    seeds against the baseline's."""
     warmup = max(1, steps // 15)
-    base = runs["baseline"]
-    base_ma = moving_average(base["losses"], SMOOTH)
     from_step = warmup
     summary = {}
     for name, run in runs.items():
+        plain, seed = _seed_of(name)
+        base = runs.get("baseline" if seed == SEED else _seeded("baseline", seed))
+        if base is None:
+            continue
+        base_ma = moving_average(base["losses"], SMOOTH)
         ma = moving_average(run["losses"], SMOOTH)
         gaps = [(m - b) / b for m, b in zip(ma, base_ma)]
         after = gaps[from_step:] or [float("nan")]  # (a run stopped before the warm-up's end)
@@ -390,7 +421,44 @@ def analyse(runs: dict[str, Any], steps: int) -> dict[str, Any]:
             "max_gap_full_window": max(full_window, key=abs),
             "gaps": gaps, "smoothed": ma,
         }
-    return {"warmup": warmup, "from_step": from_step, "modes": summary}
+    return {"warmup": warmup, "from_step": from_step, "modes": summary, "seeds": _across_seeds(runs, steps, from_step)}
+
+
+def _across_seeds(runs: dict[str, Any], steps: int, from_step: int) -> dict[str, Any]:
+    """Per mode run to the end at every seed the baseline was: the mean over seeds of the per-step losses, its
+    final loss and smoothed curve against the baseline's mean, and each seed's final loss against its own
+    baseline's. Empty with one seed."""
+    by_mode: dict[str, dict[int, dict[str, Any]]] = {}
+    for name, run in runs.items():
+        plain, seed = _seed_of(name)
+        if _base_name(plain) == plain and len(run["losses"]) == steps:
+            by_mode.setdefault(plain, {})[seed] = run
+    seeds = sorted(by_mode.get("baseline", {}))
+    if len(seeds) < 2:
+        return {}
+
+    def mean_curve(mode: str) -> list[float]:
+        return [sum(v) / len(v) for v in zip(*(by_mode[mode][s]["losses"] for s in seeds))]
+
+    def final(losses: list[float]) -> float:
+        return sum(losses[-LAST:]) / LAST
+
+    base = mean_curve("baseline")
+    base_ma = moving_average(base, SMOOTH)
+    out = {"seeds": seeds, "modes": {}}
+    for mode, at in by_mode.items():
+        if set(seeds) - set(at):
+            continue
+        curve = mean_curve(mode)
+        gaps = [(m - b) / b for m, b in zip(moving_average(curve, SMOOTH), base_ma)]
+        after = gaps[from_step:]
+        i = max(range(len(after)), key=lambda j: abs(after[j]))
+        per_seed = [(final(at[s]["losses"]) - final(by_mode["baseline"][s]["losses"])) / final(by_mode["baseline"][s]["losses"])
+                    for s in seeds]
+        out["modes"][mode] = {"final_mean": final(curve), "final_rel": (final(curve) - final(base)) / final(base),
+                              "per_seed_final_rel": per_seed, "max_gap": after[i], "max_gap_step": from_step + i,
+                              "gaps": gaps, "smoothed": moving_average(curve, SMOOTH)}
+    return out
 
 
 def plot(runs: dict[str, Any], ana: dict[str, Any], png: Path, batch: int) -> None:
@@ -464,10 +532,12 @@ def report(payload: dict[str, Any]) -> str:
         f"- {steps} optimizer steps, ZeRO stage 3, world 4 on the emulated cluster: 2 network-namespace nodes "
         "x 2 gloo ranks, unshaped links, `nodes` passed to `zeroray.initialize` (qgZ hierarchical: "
         + ", ".join(f"{n}: {runs[n]['hierarchical']}" for n in names if runs[n]['hierarchical'] is not None)
-        + f"). Quantization block {BLOCK_SIZE} values per fp32 scale; qwZ int8.",
+        + f"). Quantization block {BLOCK_SIZE} values per fp32 scale; qwZ int8; qgZ in ZeRO++'s own form, quantized "
+        "inside the node too (`intra_node_gradients=True`, two roundings; the CPU default sends that stage in fp32 "
+        "and rounds once).",
         "- Same seed (`torch.manual_seed(1337)` before the model is built) and same data in every run: step s, "
         f"rank r trains on global samples [{4 * b}s + {b}r, {4 * b}s + {b}r + {b}), windows placed by the example's "
-        "`windows_at`. A step's loss is the mean of the 4 ranks' micro-batch losses.",
+        "former `windows_at` (kept in this script). A step's loss is the mean of the 4 ranks' micro-batch losses.",
         "- 'baseline perturbed 1e-6' is a control, not ZeRO++: the baseline with each initial weight scaled by "
         "(1 + 1e-6 N(0,1)), which shows how far this recipe's curves drift apart from a perturbation far below "
         "any quantizer's error.",
@@ -493,10 +563,10 @@ def report(payload: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name in names:
-        if _base_name(name) != name and _base_name(name) in runs:
-            continue  # a repeat: bitwise the same losses (see Determinism)
+        if _base_name(name) != name and _base_name(name) in runs or name not in ana["modes"]:
+            continue  # a repeat: bitwise the same losses (see Determinism); or a seed without its baseline
         m, r = ana["modes"][name], runs[name]
-        base = name == "baseline"
+        base = _seed_of(name)[0] == "baseline"
         gap = "" if base else f"{_pct(m['max_gap'])} ({m['max_gap_step']})"
         exact = "" if r.get("val_exact_loss") is None else f"{r['val_exact_loss']:.4f}"
         lines.append(
@@ -507,7 +577,7 @@ def report(payload: dict[str, Any]) -> str:
             f"{r['train_s'] / m['steps']:.3f} |")
     lines += ["", "Goal (issue 33): final loss within 1% of unquantized, smoothed curve within 2% after warm-up.", ""]
     for name in names:
-        if name == "baseline":
+        if _seed_of(name)[0] == "baseline" or name not in ana["modes"]:
             continue
         m = ana["modes"][name]
         ok = abs(m["final_rel"]) <= 0.01 and abs(m["max_gap"]) <= 0.02
@@ -521,6 +591,7 @@ def report(payload: dict[str, Any]) -> str:
             verdict = "control, no quantization: what a 1e-6 perturbation of the initial weights alone does"
         lines.append(f"- {name}: {verdict} (final {_pct(m['final_rel'])}, "
                      f"max gap {_pct(m['max_gap'])}).")
+    lines += _seeds_report(ana)
     det = payload.get("determinism")
     if det:
         lines += ["", "## Determinism", "", det, ""]
@@ -568,6 +639,62 @@ def report(payload: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _seeds_report(ana: dict[str, Any]) -> list[str]:
+    """The 'Across seeds' section: each mode's mean over the seeds against the baseline's mean."""
+    seeds = ana.get("seeds")
+    if not seeds:
+        return []
+    lines = ["", "## Across seeds", "",
+             f"Every run of a mode at seeds {', '.join(map(str, seeds['seeds']))} (the initial weights' seed; the data "
+             f"are the same): the mean over the seeds of the per-step losses, against the baseline's mean. This "
+             f"averages out the drift one seed's curve shows (the control above), which a 1% goal cannot see past.",
+             "", f"| mode | final loss, mean over seeds (last {LAST}) | vs baseline | each seed vs its own baseline "
+             f"| max smoothed gap of the means, from step {ana['from_step']} (step) | goal |", "|---|---|---|---|---|---|"]
+    for mode, m in seeds["modes"].items():
+        base = mode == "baseline"
+        ok = abs(m["final_rel"]) <= 0.01 and abs(m["max_gap"]) <= 0.02
+        lines.append(f"| {mode} | {m['final_mean']:.4f} | {'' if base else _pct(m['final_rel'])} | "
+                     f"{'' if base else ', '.join(_pct(x) for x in m['per_seed_final_rel'])} | "
+                     f"{'' if base else _pct(m['max_gap']) + ' (' + str(m['max_gap_step']) + ')'} | "
+                     f"{'' if base else 'meets it' if ok else 'MISSES it'} |")
+    return lines
+
+
+def plot_seeds(ana: dict[str, Any], png: Path, batch: int) -> None:
+    """The modes' mean curves over the seeds and their gaps to the baseline's mean."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    seeds = ana["seeds"]
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 7.5), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+    for mode, m in seeds["modes"].items():
+        style = {"color": "black", "linewidth": 2.2, "linestyle": "--", "zorder": 5} if mode == "baseline" else {}
+        steps = range(1, len(m["smoothed"]) + 1)
+        ax1.plot(steps, m["smoothed"], label=mode, **style)
+        if mode != "baseline":
+            ax2.plot(steps, [100 * g for g in m["gaps"]], label=mode)
+    ax1.set_ylabel(f"train loss, mean over {len(seeds['seeds'])} seeds, {SMOOTH}-step trailing mean")
+    ax1.set_yscale("log")
+    ax1.set_title(f"ZeRO++ convergence, mean over seeds {', '.join(map(str, seeds['seeds']))}: byte-level GPT, "
+                  f"stage 3,\nworld 4 on 2 emulated nodes, fp32, micro-batch {batch} per rank, block {BLOCK_SIZE}",
+                  fontsize=10)
+    ax1.legend(fontsize=8)
+    ax1.grid(alpha=0.3, which="both")
+    for y in (-2, 2):
+        ax2.axhline(y, color="red", linestyle=":", linewidth=1)
+    ax2.axhline(0, color="black", linewidth=0.8)
+    ax2.axvline(ana["from_step"], color="grey", linestyle="--", linewidth=1)
+    ax2.set_ylabel("gap of the means to baseline's, %")
+    ax2.set_xlabel("optimizer step")
+    ax2.set_ylim(-10, 10)
+    ax2.grid(alpha=0.3)
+    ax2.legend(fontsize=7, ncol=3)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
 def _base_name(name: str) -> str:
     """The mode a run repeats: its name less " (repeat)", " (separate job)" and a " [label]"."""
     name = name.split(" [")[0]
@@ -611,6 +738,9 @@ def main() -> None:
                         "' (separate job)': the determinism check across processes)")
     p.add_argument("--merge-label", default=None, help="--merge: append ' [LABEL]' to each added run's name")
     p.add_argument("--plot-only", action="store_true", help="redraw the md and png from the json")
+    p.add_argument("--seed", type=int, default=SEED,
+                   help=f"the initial weights' seed (the example's {SEED}); another seed names its runs '<mode> (seed N)', "
+                        "to add with --merge: the report then compares the modes' mean over seeds")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -655,14 +785,15 @@ def main() -> None:
                 "host": f"{platform.node()}, {platform.processor() or platform.machine()}",
                 "steps": args.steps, "measure_steps": [str(s) for s in measure],
                 "together": not args.separate, "batch": args.batch, "block_size": BLOCK_SIZE, "example": EXAMPLE,
-                "smooth": SMOOTH, "last": LAST}
+                "smooth": SMOOTH, "last": LAST, "seed": args.seed}
         if args.progress:
             Path(args.progress + ".meta.json").write_text(json.dumps(meta))
         jobs = [[n] for n in names] if args.separate else [names]
         for job in jobs:
             t0 = time.perf_counter()
-            per_rank = run_job(job, args.steps, measure, args.batch, args.timeout, args.progress)
-            runs.update(merge(per_rank, job, time.perf_counter() - t0))
+            per_rank = run_job(job, args.steps, measure, args.batch, args.seed, args.timeout, args.progress)
+            merged = merge(per_rank, job, time.perf_counter() - t0)
+            runs.update({n if args.seed == SEED else _seeded(n, args.seed): r for n, r in merged.items()})
             print(f"{job}: {time.perf_counter() - t0:.0f} s", flush=True)
         payload = {"meta": meta, "runs": runs}
         js.write_text(json.dumps(payload, indent=1))  # the raw results first, whatever the analysis does
@@ -673,7 +804,10 @@ def main() -> None:
     payload["determinism"] = determinism(payload["runs"])
     js.write_text(json.dumps(payload, indent=1))
     (out / "convergence.md").write_text(report(payload))
-    plot(payload["runs"], payload["analysis"], out / "convergence.png", payload["meta"]["batch"])
+    plot({n: r for n, r in payload["runs"].items() if _seed_of(n)[1] == SEED}, payload["analysis"],
+         out / "convergence.png", payload["meta"]["batch"])
+    if payload["analysis"]["seeds"]:
+        plot_seeds(payload["analysis"], out / "convergence_seeds.png", payload["meta"]["batch"])
     print(report(payload))
 
 

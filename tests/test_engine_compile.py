@@ -117,7 +117,11 @@ def _world_2(rank: int, world: int, nvme_path: str) -> dict:
     _fresh_dynamo()
     ddp = _ddp_compiled(rank, copy.deepcopy(init), data)
     yardstick = _moved(ddp, eager_ddp)
-    forms: dict[Any, Any] = {"eager": zero_run(copy.deepcopy(init), data, 3, "fp32"), "yardstick": yardstick}
+    _fresh_dynamo()
+    whole_ddp = copy.deepcopy(init)
+    whole_ddp.compile()  # the whole model, as the "whole" form compiles it: more fusion than the blocks alone
+    forms: dict[Any, Any] = {"eager": zero_run(copy.deepcopy(init), data, 3, "fp32"), "yardstick": yardstick,
+                             "yardstick whole": _moved(reference(rank, whole_ddp, data), eager_ddp)}
     for form in FORMS:
         forms[form] = _compiled_run(init, data, 3, "fp32", form)
     out: dict[str, Any] = {"forms": forms}
@@ -150,11 +154,13 @@ def world_2(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 @SHARED_TIMEOUT
 def test_every_form_trains_at_stage_3_compiling_each_block_once(world_2: list[dict]) -> None:
     """The per-block forms run the same compiled block: the same bits. Against eager zeroray, compiled zeroray
-    (and the whole model, graph breaks at the units' hooks) moves no more than 3x what compiling moves DDP."""
+    moves no more than 3x what compiling moves DDP: the blocks' compile for the per-block forms, the whole
+    model's (graph breaks at the units' hooks) for "whole", which fuses more (embedding, final norm, head and
+    loss) and so rounds further (on this AVX-512 CPU: DDP 1.3e-6 blocks, 3.9e-6 whole; zeroray whole 7.8e-6)."""
     for rank, res in enumerate(r["forms"] for r in world_2):
         losses, state, _ = res["eager"]
-        w_tol, l_tol = (3 * t for t in res["yardstick"])
         for form in FORMS:
+            w_tol, l_tol = (3 * t for t in res["yardstick whole" if form == "whole" else "yardstick"])
             got = res[form]
             what = f"rank {rank} {form}"
             assert got["graphs"] == got["graphs_at_2"], (what, "recompiled after the second step", got)

@@ -65,9 +65,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 CASES = [
     {},  # 0: unquantized stage 3
     {"quantize": {"weights": True}},  # 1: qwZ
-    {"quantize": {"gradients": True}},  # 2: qgZ int8, hierarchical
-    {"quantize": {"gradients": True, "gradient_bits": 4}},  # 3: qgZ int4
-    {"quantize": {"weights": True, "gradients": True}, "hpz_partition_size": 2},  # 4: full ZeRO++
+    {"quantize": {"gradients": True, "intra_node_gradients": True}},  # 2: qgZ int8, hierarchical, ZeRO++'s form
+    {"quantize": {"gradients": True, "gradient_bits": 4, "intra_node_gradients": True}},  # 3: qgZ int4
+    {"quantize": {"weights": True, "gradients": True}, "hpz_partition_size": 2},  # 4: full ZeRO++ (CPU: fp32 in node)
     {"stage": 2},  # 5: unquantized stage 2
     {"stage": 2, "quantize": {"gradients": True}},  # 6: qgZ at stage 2
     {"quantize": {"weights": True, "gradients": True}, "shard_group_size": 2},  # 7: on top of hybrid
@@ -138,6 +138,8 @@ def test_bytes_by_link_class_equal_the_formulas(runs: list[list[dict]]) -> None:
         k for k, v in qgz.items() if v > 1000
     }
     full = r0[4]["bytes"]  # hpZ + qwZ + qgZ: only the int8 forward gathers and a quarter of the int8 gradients cross
+    # intra_node_gradients left to the device: on CPU the node's stage moves fp32, as case 9's does
+    assert full["intra_node:all_to_all"] > 0 and "intra_node:all_to_all_int8" not in full
     flat = r0[0]["bytes"]
     inter = sum(v for k, v in full.items() if k.startswith("inter_node:"))
     assert inter < 0.3 * sum(v for k, v in flat.items() if k.startswith("inter_node:"))
@@ -222,7 +224,7 @@ def test_bad_quantize_settings_fail_before_any_work() -> None:
         ZeroConfig(stage=3, quantize={"gradients": True, "gradient_bits": 2})
     with pytest.raises(ConfigError, match="quantize.weights: must be true or false"):
         ZeroConfig(stage=3, quantize={"weights": "yes"})
-    with pytest.raises(ConfigError, match="quantize.intra_node_gradients: must be true or false, got 'no'"):
+    with pytest.raises(ConfigError, match=r"quantize.intra_node_gradients: must be true or false or None \(automatic\), got 'no'"):
         ZeroConfig(stage=3, quantize={"gradients": True, "intra_node_gradients": "no"})
     cfg = load_config({"zero_optimization": {"stage": 3, "zero_quantized_weights": True, "zero_quantized_gradients": True,
                                              "zeroray_quantize_gradient_bits": 4,

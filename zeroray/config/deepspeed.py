@@ -176,7 +176,7 @@ TABLE: dict[str, Entry] = {
     "zero_optimization.zeroray_quantize_block_size": Field("quantize.block_size", _int, note="zeroray's own"),
     "zero_optimization.zeroray_quantize_gradient_bits": Field("quantize.gradient_bits", _int, note="zeroray's own"),
     "zero_optimization.zeroray_quantize_intra_node_gradients": Field(
-        "quantize.intra_node_gradients", note="zeroray's own: False sends qgZ's stage inside the node in fp32"
+        "quantize.intra_node_gradients", note="zeroray's own: False sends qgZ's stage inside the node in fp32 (the default on CPU), True quantizes it"
     ),
     "zero_optimization.offload_optimizer.device": Field("offload_optimizer.device"),
     "zero_optimization.offload_optimizer.nvme_path": Field("offload_optimizer.nvme_path"),

@@ -255,21 +255,22 @@ class QuantizeConfig:
     ``weights`` (qwZ, stage 3): the forward's all-gather moves int8 codes, one fp32 scale per ``block_size``
     values. ``gradients`` (qgZ, stages 2-3): the gradient reduce-scatter is an all-to-all of ``gradient_bits``
     codes (4 or 8), hierarchical when the node layout is known. ``intra_node_gradients``: whether the hierarchical
-    reduction quantizes its stage inside the node too (ZeRO++'s form, the default) or sends it in fp32 and
-    quantizes only the node's sum, once, before it crosses nodes: a third of the quantizing work and one
-    rounding instead of two, for 4x the bytes on the node's own links. Masters and optimizer states stay full
-    precision."""
+    reduction quantizes its stage inside the node too (True: ZeRO++'s form) or sends it in fp32 and quantizes
+    only the node's sum, once, before it crosses nodes (False: a third of the quantizing work and one rounding
+    instead of two, for 4x the bytes on the node's own links). None (the default) picks by device: False on
+    CPU, where quantizing costs more than the node's links save (docs/multi-node.md), True on CUDA. Masters and
+    optimizer states stay full precision."""
 
     weights: bool = False
     gradients: bool = False
     block_size: int = 256
     gradient_bits: int = 8
-    intra_node_gradients: bool = True
+    intra_node_gradients: bool | None = None
 
     def problems(self, stage: Any) -> Problems:
         yield from _flag("quantize.weights", self.weights)
         yield from _flag("quantize.gradients", self.gradients)
-        yield from _flag("quantize.intra_node_gradients", self.intra_node_gradients)
+        yield from _flag("quantize.intra_node_gradients", self.intra_node_gradients, auto=True)
         b = self.block_size
         if not _is_int(b) or b < 8 or b > 65536 or b & (b - 1):
             yield "quantize.block_size", f"must be a power of two from 8 to 65536 (values per scale), got {b!r}"

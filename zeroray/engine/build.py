@@ -288,7 +288,7 @@ def _lay_out(
     if quantize.gradients:
         qgz = QuantizedReduceScatter(
             quantize.gradient_bits, quantize.block_size, topology.shard, topology.node, topology.cross, kernels,
-            quantize_node=quantize.intra_node_gradients,
+            quantize_node=quantize.intra_node_gradients if quantize.intra_node_gradients is not None else device.type != "cpu",
         )
     unit_groups: dict[int | None, list[FlatGroup]] = {}
     pending: list[FlatGroup] = []  # stage 3: groups with meta parameters, installed once initialized

@@ -102,15 +102,17 @@ SPARE_START_WAIT_S = 60.0
 
 def default_callbacks(spec: RunSpec, storage: RunStorage) -> list[ControllerCallback]:
     """The built-in callbacks of a fit, in the order they run (``RunConfig.callbacks`` run after them): the
-    history that becomes ``Result.metrics_history``, the progress display, ``metrics.jsonl``, ``run.json``
-    and the controller's Ray gauges. A new built-in is a :class:`ControllerCallback` and one line here."""
+    history that becomes ``Result.metrics_history``, ``metrics.jsonl``, ``run.json``, the controller's Ray
+    gauges, then the progress display, so that a step on the console is already counted in the records (a
+    Ctrl-C right after it leaves a run.json that has it). A new built-in is a :class:`ControllerCallback` and
+    one line here."""
     metrics_file = MetricsFileCallback(storage)
     return [
         HistoryCallback(),
-        ProgressCallback(Progress(spec.progress_bar, spec.samples_per_step)),
         metrics_file,
         RunInfoCallback(storage, metrics_file, samples_per_step=spec.samples_per_step),
         ControllerMetrics(spec.name),
+        ProgressCallback(Progress(spec.progress_bar, spec.samples_per_step)),
     ]
 
 
