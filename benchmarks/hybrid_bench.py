@@ -113,7 +113,7 @@ MODE_NAMES = {
     "zeroray-hybrid4-hpz-s3": f"zeroray hybrid k={2 * K} + hpZ (h={HPZ}), stage 3",
     "zeroray-zpp8-s3": "zeroray ZeRO++ (hpZ + qwZ + qgZ int8)",
     "zeroray-zpp4-s3": "zeroray ZeRO++ (hpZ + qwZ + qgZ int4)",
-    "zeroray-zpp8n-s3": "zeroray ZeRO++ (hpZ + qwZ + qgZ int8, fp32 inside the node: the CPU default)",
+    "zeroray-zpp8n-s3": "zeroray ZeRO++ (hpZ + qwZ + qgZ int8, fp32 inside the node)",
     "zeroray-qwz-qgz8-s3": "zeroray qwZ + qgZ int8, no hpZ",
     "deepspeed-flat-s3": "DeepSpeed ZeRO-3 flat",
     "deepspeed-hpz-s3": f"DeepSpeed hpZ (zero_hpz_partition_size={HPZ})",

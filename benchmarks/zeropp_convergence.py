@@ -39,8 +39,11 @@ Errors of the quantized collectives, on the run's own tensors, at the steps in `
 Writes benchmarks/results/zeropp/convergence.{json,md,png}; convergence_notes.md there (the findings, by
 hand) is appended to the md. Runs of other jobs are added with ``--merge`` (a mode run alone with
 ``--no-baseline``, or the control ``--modes "baseline perturbed 1e-6"``); a job stopped early is reported
-from its dumps with ``--from-partial``; ``--plot-only`` redraws the md and png from the json. Needs root
-(network namespaces).
+from its dumps with ``--from-partial``; ``--plot-only`` redraws the md and png from the json. ``--seed N``
+starts every mode from other initial weights and names its runs "<mode> (seed N)"; merged in, they give the
+report's "Across seeds" section (each mode's mean over its seeds against the baseline's, with standard errors)
+and convergence_seeds.png: one seed's curves drift apart by more than the goal's 1% at this batch, so the
+goal is judged on the means. Needs root (network namespaces).
 """
 
 from __future__ import annotations
@@ -79,6 +82,9 @@ MODES: dict[str, dict[str, Any]] = {
     "qwZ+qgZ int8": {"weights": True, "gradients": True, "gradient_bits": 8, "intra_node_gradients": True},
     "qwZ+qgZ int4": {"weights": True, "gradients": True, "gradient_bits": 4, "intra_node_gradients": True},
     "qwZ+qgZ int8 (repeat)": {"weights": True, "gradients": True, "gradient_bits": 8, "intra_node_gradients": True},
+    # the CPU default (intra_node_gradients None = False on CPU): fp32 inside the node, the node's sum rounded once
+    "qgZ int8 (fp32 in node)": {"gradients": True, "gradient_bits": 8, "intra_node_gradients": False},
+    "qwZ+qgZ int8 (fp32 in node)": {"weights": True, "gradients": True, "gradient_bits": 8, "intra_node_gradients": False},
     # A control, not a ZeRO++ mode: the baseline with every initial weight scaled by (1 + 1e-6 x N(0, 1)) (about
     # 8 fp32 ulps), to show how far a run drifts from the baseline from a perturbation far below any quantizer's
     # (the chaotic spread of this recipe's curves); run with --modes, not in "all".
@@ -433,70 +439,88 @@ def _across_seeds(runs: dict[str, Any], steps: int, from_step: int) -> dict[str,
         plain, seed = _seed_of(name)
         if _base_name(plain) == plain and len(run["losses"]) == steps:
             by_mode.setdefault(plain, {})[seed] = run
-    seeds = sorted(by_mode.get("baseline", {}))
-    if len(seeds) < 2:
+    all_seeds = sorted(by_mode.get("baseline", {}))
+    if len(all_seeds) < 2:
         return {}
 
-    def mean_curve(mode: str) -> list[float]:
+    def mean_curve(mode: str, seeds: list[int]) -> list[float]:
         return [sum(v) / len(v) for v in zip(*(by_mode[mode][s]["losses"] for s in seeds))]
 
     def final(losses: list[float]) -> float:
         return sum(losses[-LAST:]) / LAST
 
-    base = mean_curve("baseline")
-    base_ma = moving_average(base, SMOOTH)
-    out = {"seeds": seeds, "modes": {}}
+    out: dict[str, Any] = {"seeds": all_seeds, "modes": {}}
     for mode, at in by_mode.items():
-        if set(seeds) - set(at):
+        seeds = [s for s in all_seeds if s in at]  # a mode run at fewer seeds: against the baseline at those
+        if len(seeds) < 2:
             continue
-        curve = mean_curve(mode)
+        base = mean_curve("baseline", seeds)
+        base_ma = moving_average(base, SMOOTH)
+        curve = mean_curve(mode, seeds)
         gaps = [(m - b) / b for m, b in zip(moving_average(curve, SMOOTH), base_ma)]
         after = gaps[from_step:]
         i = max(range(len(after)), key=lambda j: abs(after[j]))
         per_seed = [(final(at[s]["losses"]) - final(by_mode["baseline"][s]["losses"])) / final(by_mode["baseline"][s]["losses"])
                     for s in seeds]
-        out["modes"][mode] = {"final_mean": final(curve), "final_rel": (final(curve) - final(base)) / final(base),
-                              "per_seed_final_rel": per_seed, "max_gap": after[i], "max_gap_step": from_step + i,
+        # The seeds' spread: per step, the standard error of the mean of the per-seed smoothed gaps.
+        seed_gaps = [[(m - b) / b for m, b in zip(moving_average(at[s]["losses"], SMOOTH),
+                                                  moving_average(by_mode["baseline"][s]["losses"], SMOOTH))]
+                     for s in seeds]
+        se = [_std(list(g)) / math.sqrt(len(seeds)) for g in zip(*seed_gaps)]
+        out["modes"][mode] = {"seeds": seeds, "final_mean": final(curve), "final_rel": (final(curve) - final(base)) / final(base),
+                              "per_seed_final_rel": per_seed, "final_rel_se": _std(per_seed) / math.sqrt(len(seeds)),
+                              "max_gap": after[i], "max_gap_step": from_step + i, "max_gap_se": se[from_step + i],
+                              "beyond_2se": sum(abs(g) > 2 * e for g, e in zip(gaps[from_step:], se[from_step:])),
                               "gaps": gaps, "smoothed": moving_average(curve, SMOOTH)}
     return out
 
 
-def plot(runs: dict[str, Any], ana: dict[str, Any], png: Path, batch: int) -> None:
+BASELINE_STYLE = {"color": "black", "linewidth": 2.2, "linestyle": "--", "zorder": 5}
+
+
+def _draw(curves: list[tuple[str, dict[str, Any], dict[str, Any]]], from_step: int, title: str, loss_label: str,
+          gap_label: str, png: Path) -> None:
+    """Smoothed loss curves above, their gaps to the baseline below (2% lines, the warm-up's end): one line per
+    (name, {"smoothed", "gaps"}, matplotlib style)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 7.5), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
-    for name in runs:
-        if _base_name(name) != name and _base_name(name) in runs:  # a repeat: the same curve
-            continue
-        m = ana["modes"][name]
+    for name, m, style in curves:
         steps = range(1, len(m["smoothed"]) + 1)
-        style = ({"color": "black", "linewidth": 2.2, "linestyle": "--", "zorder": 5} if name == "baseline"
-                 else {"color": "grey", "linewidth": 1.2, "linestyle": ":"} if "perturbed" in name
-                 else {"linewidth": 1.2})
         ax1.plot(steps, m["smoothed"], label=name, **style)
-        if name != "baseline":
+        if _seed_of(name)[0] != "baseline":
             ax2.plot(steps, [100 * g for g in m["gaps"]], label=name, **style)
-    ax1.set_ylabel(f"train loss, {SMOOTH}-step trailing mean")
+    ax1.set_ylabel(loss_label)
     ax1.set_yscale("log")
-    ax1.set_title(f"ZeRO++ convergence: byte-level GPT (3.3M), stage 3, world 4 on 2 emulated nodes,\n"
-                  f"fp32, micro-batch {batch} per rank, block {BLOCK_SIZE}", fontsize=10)
+    ax1.set_title(title, fontsize=10)
     ax1.legend(fontsize=8)
     ax1.grid(alpha=0.3, which="both")
     for y in (-2, 2):
         ax2.axhline(y, color="red", linestyle=":", linewidth=1)
     ax2.axhline(0, color="black", linewidth=0.8)
-    ax2.axvline(ana["from_step"], color="grey", linestyle="--", linewidth=1)
-    ax2.text(ana["from_step"] + 3, 1.6, "end of warm-up", fontsize=7, color="grey")
-    ax2.set_ylabel("smoothed gap to baseline, %")
+    ax2.axvline(from_step, color="grey", linestyle="--", linewidth=1)
+    ax2.text(from_step + 3, 1.6, "end of warm-up", fontsize=7, color="grey")
+    ax2.set_ylabel(gap_label)
     ax2.set_xlabel("optimizer step")
     ax2.set_ylim(-10, 10)
     ax2.grid(alpha=0.3)
     ax2.legend(fontsize=7, ncol=3)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
+
+
+def plot(runs: dict[str, Any], ana: dict[str, Any], png: Path, batch: int) -> None:
+    """One seed's runs (the repeats left out: the same curves)."""
+    curves = [(name, ana["modes"][name], BASELINE_STYLE if name == "baseline"
+               else {"color": "grey", "linewidth": 1.2, "linestyle": ":"} if "perturbed" in name else {"linewidth": 1.2})
+              for name in runs if not (_base_name(name) != name and _base_name(name) in runs)]
+    _draw(curves, ana["from_step"],
+          f"ZeRO++ convergence: byte-level GPT (3.3M), stage 3, world 4 on 2 emulated nodes,\n"
+          f"fp32, micro-batch {batch} per rank, block {BLOCK_SIZE}",
+          f"train loss, {SMOOTH}-step trailing mean", "smoothed gap to baseline, %", png)
 
 
 def _pct(x: float) -> str:
@@ -639,6 +663,14 @@ def report(payload: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _std(xs: list[float]) -> float:
+    """The sample standard deviation (0 for fewer than 2 values)."""
+    if len(xs) < 2:
+        return 0.0
+    mean = sum(xs) / len(xs)
+    return math.sqrt(sum((x - mean) ** 2 for x in xs) / (len(xs) - 1))
+
+
 def _seeds_report(ana: dict[str, Any]) -> list[str]:
     """The 'Across seeds' section: each mode's mean over the seeds against the baseline's mean."""
     seeds = ana.get("seeds")
@@ -648,51 +680,34 @@ def _seeds_report(ana: dict[str, Any]) -> list[str]:
              f"Every run of a mode at seeds {', '.join(map(str, seeds['seeds']))} (the initial weights' seed; the data "
              f"are the same): the mean over the seeds of the per-step losses, against the baseline's mean. This "
              f"averages out the drift one seed's curve shows (the control above), which a 1% goal cannot see past.",
-             "", f"| mode | final loss, mean over seeds (last {LAST}) | vs baseline | each seed vs its own baseline "
-             f"| max smoothed gap of the means, from step {ana['from_step']} (step) | goal |", "|---|---|---|---|---|---|"]
+             "A mode run at fewer seeds is set against the baseline's mean over the same seeds (its seeds column).",
+             "", "± is the standard error over the seeds (of the per-seed final gaps, and of the per-seed smoothed gaps "
+             "at that step); 'steps beyond 2 SE' counts the steps after the warm-up where the means' gap is more than "
+             "twice its standard error from 0.", "",
+             f"| mode | seeds | final loss, mean over seeds (last {LAST}) | vs baseline | each seed vs its own baseline "
+             f"| max smoothed gap of the means, from step {ana['from_step']} (step) | steps beyond 2 SE | goal |",
+             "|---|---|---|---|---|---|---|---|"]
     for mode, m in seeds["modes"].items():
         base = mode == "baseline"
         ok = abs(m["final_rel"]) <= 0.01 and abs(m["max_gap"]) <= 0.02
-        lines.append(f"| {mode} | {m['final_mean']:.4f} | {'' if base else _pct(m['final_rel'])} | "
+        lines.append(f"| {mode} | {', '.join(map(str, m['seeds']))} | {m['final_mean']:.4f} | {'' if base else _pct(m['final_rel'])} "
+                     f"{'' if base else '± ' + _pct(m['final_rel_se']).lstrip('+')} | "
                      f"{'' if base else ', '.join(_pct(x) for x in m['per_seed_final_rel'])} | "
-                     f"{'' if base else _pct(m['max_gap']) + ' (' + str(m['max_gap_step']) + ')'} | "
+                     f"{'' if base else _pct(m['max_gap']) + ' ± ' + _pct(m['max_gap_se']).lstrip('+') + ' (' + str(m['max_gap_step']) + ')'} | "
+                     f"{'' if base else m['beyond_2se']} | "
                      f"{'' if base else 'meets it' if ok else 'MISSES it'} |")
     return lines
 
 
 def plot_seeds(ana: dict[str, Any], png: Path, batch: int) -> None:
     """The modes' mean curves over the seeds and their gaps to the baseline's mean."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     seeds = ana["seeds"]
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 7.5), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
-    for mode, m in seeds["modes"].items():
-        style = {"color": "black", "linewidth": 2.2, "linestyle": "--", "zorder": 5} if mode == "baseline" else {}
-        steps = range(1, len(m["smoothed"]) + 1)
-        ax1.plot(steps, m["smoothed"], label=mode, **style)
-        if mode != "baseline":
-            ax2.plot(steps, [100 * g for g in m["gaps"]], label=mode)
-    ax1.set_ylabel(f"train loss, mean over {len(seeds['seeds'])} seeds, {SMOOTH}-step trailing mean")
-    ax1.set_yscale("log")
-    ax1.set_title(f"ZeRO++ convergence, mean over seeds {', '.join(map(str, seeds['seeds']))}: byte-level GPT, "
-                  f"stage 3,\nworld 4 on 2 emulated nodes, fp32, micro-batch {batch} per rank, block {BLOCK_SIZE}",
-                  fontsize=10)
-    ax1.legend(fontsize=8)
-    ax1.grid(alpha=0.3, which="both")
-    for y in (-2, 2):
-        ax2.axhline(y, color="red", linestyle=":", linewidth=1)
-    ax2.axhline(0, color="black", linewidth=0.8)
-    ax2.axvline(ana["from_step"], color="grey", linestyle="--", linewidth=1)
-    ax2.set_ylabel("gap of the means to baseline's, %")
-    ax2.set_xlabel("optimizer step")
-    ax2.set_ylim(-10, 10)
-    ax2.grid(alpha=0.3)
-    ax2.legend(fontsize=7, ncol=3)
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
+    curves = [(mode, m, BASELINE_STYLE if mode == "baseline" else {}) for mode, m in seeds["modes"].items()]
+    _draw(curves, ana["from_step"],
+          f"ZeRO++ convergence, each mode's mean over its seeds (of {', '.join(map(str, seeds['seeds']))}): "
+          f"byte-level GPT, stage 3,\nworld 4 on 2 emulated nodes, fp32, micro-batch {batch} per rank, block {BLOCK_SIZE}",
+          f"train loss, mean over the seeds, {SMOOTH}-step trailing mean",
+          "gap to the baseline's mean\nover the same seeds, %", png)
 
 
 def _base_name(name: str) -> str:
