@@ -65,8 +65,9 @@ class BlockQuantizer:
         if work is None:
             work = torch.empty(rows, padded, dtype=torch.float32, device=x.device)
         work = work.view(rows, nb, self.block)
-        blocks = x.view(rows, nb, self.block) if padded == n and x.is_contiguous() else None
-        if blocks is None:  # padded, or rows that do not view as one: copied into work (whose tail is zeroed)
+        if padded == n and x.is_contiguous():  # whole blocks where they lie: read x itself
+            blocks = x.view(rows, nb, self.block)
+        else:  # padded, or rows that do not view as one: copied into work (whose tail is zeroed)
             flat = work.view(*x.shape[:-1], padded)
             flat[..., :n].copy_(x)
             flat[..., n:].zero_()
