@@ -16,7 +16,17 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 def pytest_configure(config: pytest.Config) -> None:
     """Skipped tests say why in the default output (as ``-rs``): a skip for a missing tool (prometheus,
     chromium) names the tool and how to install it, so a quiet ``pytest -q`` does not hide a gap. ``-rN``
-    (report nothing) is left alone."""
+    (report nothing) is left alone.
+
+    And torch's device context learns its factory functions now, before any test runs: torch caches them the
+    first time a ``with torch.device(...)`` block makes a tensor, and transformers' ``from_pretrained`` (test_export_hf)
+    swaps ``torch.linspace`` for a wrapper inside such a block. Were that the first, the cache would hold the
+    wrapper, and ``torch.linspace`` under ``torch.device("meta")`` would make CPU tensors for the rest of the
+    session (test_engine_meta after it would fail)."""
+    import torch
+
+    with torch.device("meta"):
+        torch.empty(0)
     chars = config.option.reportchars or ""
     if "N" not in chars and not {"s", "a", "A"} & set(chars):
         config.option.reportchars = chars + "s"
