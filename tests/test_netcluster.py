@@ -18,11 +18,13 @@ import pytest
 
 from tests.support.netcluster import (
     PREFIX,
+    REPO_ROOT,
     LinkSpec,
     NetCluster,
     NetClusterError,
     Node,
     netem_unavailable,
+    python_env,
     remove_stale,
     run_ranks,
     start_ray,
@@ -259,6 +261,33 @@ def test_teardown_runs_when_the_body_raises() -> None:
     assert not [n for n in _namespaces() if n.startswith(net.prefix)]
     assert not _running(started) and not _running(orphan)
     assert not net.scratch.exists()
+
+
+_KILLED_DRIVER = """
+import json, sys, time
+from tests.support.netcluster import NetCluster
+with NetCluster(2) as net:
+    rank = net.popen(net.nodes[1], ["sleep", "600"])
+    print(json.dumps({"prefix": net.prefix, "scratch": str(net.scratch), "pid": rank.pid}), flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_driver_stopped_by_sigterm_tears_its_cluster_down() -> None:
+    driver = subprocess.Popen([sys.executable, "-c", _KILLED_DRIVER], stdout=subprocess.PIPE, text=True,
+                              cwd=REPO_ROOT, env=python_env())
+    try:
+        made = json.loads(driver.stdout.readline())  # the cluster is up and its process runs
+        assert made["prefix"] in " ".join(_namespaces()) and _running(made["pid"])
+        driver.terminate()
+        assert driver.wait(timeout=60) == 143  # SystemExit(128 + SIGTERM), after the teardown
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+        driver.stdout.close()
+    assert not [n for n in _namespaces() if n.startswith(made["prefix"])]
+    assert not _running(made["pid"])
+    assert not Path(made["scratch"]).exists()
 
 
 def test_stale_leftovers_are_removed_only_when_their_owner_is_dead() -> None:

@@ -14,8 +14,8 @@ namespace. Nothing is changed in the machine's own (root) namespace.
 
 Needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN for ``ip netns``), ``ip`` and ``tc``: ``unavailable()``
 says why not where they are missing. ``NetCluster`` is a context manager: on exit, also after an
-error, it kills every process in its namespaces, deletes the namespaces (and so the bridge and veths)
-and its scratch directory. Its names carry the creating process's pid and a random tag
+error or a SIGTERM to the process that made it, it kills every process in its namespaces, deletes the
+namespaces (and so the bridge and veths) and its scratch directory. Its names carry the creating process's pid and a random tag
 (``zrn-<pid>-<tag>``), so parallel runs never share one, and ``remove_stale`` deletes what a dead
 run left behind.
 """
@@ -33,6 +33,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -127,6 +128,20 @@ def _kill_netns_processes(netns: str, timeout_s: float = 10.0) -> None:
         time.sleep(0.05)
 
 
+def _exit_on_sigterm() -> Callable[[], None]:
+    """Make SIGTERM raise SystemExit(143) in the main thread, so a driver stopped with ``kill`` unwinds through its
+    ``with NetCluster(...)`` and tears it down, as it does on an error; returns what puts the old handler back.
+    Left alone where a handler is already set (the program's own) or off the main thread (Python allows none)."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return lambda: None
+
+    def stop(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    return lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def _delete_netns(netns: str) -> None:
     """Its processes first: a namespace with processes in it outlives ``ip netns del``, veths and all."""
     _kill_netns_processes(netns)
@@ -212,9 +227,11 @@ class NetCluster:
         self._shaped: dict[int, LinkSpec | None] = {}
         self._procs: list[subprocess.Popen] = []
         self._next_port = _FIRST_MASTER_PORT
+        self._restore_sigterm: Callable[[], None] = lambda: None
 
     def __enter__(self) -> NetCluster:
         remove_stale()
+        self._restore_sigterm = _exit_on_sigterm()
         self.scratch.mkdir()
         try:
             self._build()
@@ -253,7 +270,10 @@ class NetCluster:
 
     def close(self) -> None:
         """Kill every process in the cluster's namespaces, delete them and the scratch directory. Safe to
-        call twice and on a half-built cluster; raises at the end if anything could not be removed."""
+        call twice and on a half-built cluster; raises at the end if anything could not be removed. A second
+        SIGTERM during it ends the process at once (``remove_stale`` clears up after it)."""
+        self._restore_sigterm()
+        self._restore_sigterm = lambda: None
         errors = []
         for proc in self._procs:
             with proc:  # closes its pipes, waits
