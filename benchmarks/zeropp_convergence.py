@@ -36,7 +36,7 @@ Errors of the quantized collectives, on the run's own tensors, at the steps in `
   mode's own object (hierarchical, its bits) and with int8/int4, hierarchical/one-level objects on the same
   buffers: ``mean|q - exact| / mean|exact|`` over this rank's shard, summed over ranks.
 
-Writes benchmarks/results/zeropp/convergence.{json,md,png}; convergence_notes.md there (the findings, by
+Writes benchmarks/results/zeropp/convergence.{json,md,png} (or in ``--out``); convergence_notes.md there (the findings, by
 hand) is appended to the md. Runs of other jobs are added with ``--merge`` (a mode run alone with
 ``--no-baseline``, or the control ``--modes "baseline perturbed 1e-6"``); a job stopped early is reported
 from its dumps with ``--from-partial``; ``--plot-only`` redraws the md and png from the json. ``--seed N``
@@ -85,6 +85,10 @@ MODES: dict[str, dict[str, Any]] = {
     # the CPU default (intra_node_gradients None = False on CPU): fp32 inside the node, the node's sum rounded once
     "qgZ int8 (fp32 in node)": {"gradients": True, "gradient_bits": 8, "intra_node_gradients": False},
     "qwZ+qgZ int8 (fp32 in node)": {"weights": True, "gradients": True, "gradient_bits": 8, "intra_node_gradients": False},
+    # full ZeRO++ (the benchmark's): hpZ keeps the forward's dequantized weights for the backward inside the node, so
+    # backward computes with the weights forward used; without hpZ it gathers the full-precision ones again
+    "hpZ+qwZ+qgZ int8": {"_hpz": RANKS_PER_NODE, "weights": True, "gradients": True, "gradient_bits": 8,
+                         "intra_node_gradients": True},
     # qwZ's weights with 4x the scales (0.6% error per element at block 64 against 0.7% at 256)
     "qwZ block 64": {"weights": True, "block_size": 64},
     # A control, not a ZeRO++ mode: the baseline with every initial weight scaled by (1 + 1e-6 x N(0, 1)) (about
@@ -212,7 +216,8 @@ def _build(rank: int, world: int, name: str, batch: int, seed: int) -> dict[str,
                 p.mul_(1 + perturb * torch.randn(p.shape, generator=gen))
     quant = {"block_size": BLOCK_SIZE, **{k: v for k, v in MODES[name].items() if not k.startswith("_")}}
     config = zeroray.ZeroConfig(stage=3, gradient_clipping=EXAMPLE["grad_clip"],
-                                train_micro_batch_size_per_gpu=batch, quantize=quant)
+                                train_micro_batch_size_per_gpu=batch, quantize=quant,
+                                hpz_partition_size=MODES[name].get("_hpz"))
     nodes = [f"n{r // RANKS_PER_NODE}" for r in range(world)]
     engine = zeroray.initialize(model, adamw(model, EXAMPLE["lr"]), config, nodes=nodes)
     tap = GradTap(engine) if MODES[name].get("gradients") else None
@@ -533,7 +538,7 @@ def _num(x: float) -> str:
     return "" if math.isnan(x) else f"{x:.4f}"
 
 
-def report(payload: dict[str, Any]) -> str:
+def report(payload: dict[str, Any], out: Path = OUT) -> str:
     runs, ana, meta = payload["runs"], payload["analysis"], payload["meta"]
     steps, b = meta["steps"], meta["batch"]
     names = list(runs)
@@ -657,7 +662,7 @@ def report(payload: dict[str, Any]) -> str:
             lines.append(f"| {name} | {step} | {g['own']['all']:.2e} | {g['int8 hierarchical']['all']:.2e} | "
                          f"{g['int8 one-level']['all']:.2e} | {g['int4 hierarchical']['all']:.2e} | "
                          f"{g['int4 one-level']['all']:.2e} | {g['own']['largest']:.2e} |")
-    notes = OUT / "convergence_notes.md"
+    notes = out / "convergence_notes.md"
     if notes.exists():  # the findings, written by hand after a run
         lines += ["", notes.read_text().strip()]
     lines += ["", "Raw per-step losses (global and per rank) and step times: convergence.json. "
@@ -820,12 +825,12 @@ def main() -> None:
     payload["analysis"] = analyse(payload["runs"], payload["meta"]["steps"])
     payload["determinism"] = determinism(payload["runs"])
     js.write_text(json.dumps(payload, indent=1))
-    (out / "convergence.md").write_text(report(payload))
+    (out / "convergence.md").write_text(report(payload, out))
     plot({n: r for n, r in payload["runs"].items() if _seed_of(n)[1] == SEED}, payload["analysis"],
          out / "convergence.png", payload["meta"]["batch"])
     if payload["analysis"]["seeds"]:
         plot_seeds(payload["analysis"], out / "convergence_seeds.png", payload["meta"]["batch"])
-    print(report(payload))
+    print(report(payload, out))
 
 
 if __name__ == "__main__":
