@@ -1,4 +1,4 @@
-"""ZeRO++ in the engine: qwZ (int8 forward gathers, stage 3) and qgZ (quantized gradient reduce-scatter,
+"""ZeRO++ in the engine: qwZ (int8 parameter gathers, stage 3) and qgZ (quantized gradient reduce-scatter,
 stages 2-3), on 4 gloo ranks laid out as 2 "nodes" of 2.
 
 Quantized runs cannot equal the unquantized ones bit for bit, so they are held to what quantization
@@ -73,6 +73,7 @@ CASES = [
     {"quantize": {"weights": True, "gradients": True}, "shard_group_size": 2},  # 7: on top of hybrid
     {"quantize": {"weights": True, "gradients": True}, "hpz_partition_size": 2},  # 8: case 4 again
     {"quantize": {"gradients": True, "intra_node_gradients": False}},  # 9: qgZ int8, fp32 inside the node
+    {"quantize": {"weights": True, "exact_backward_weights": True}},  # 10: qwZ, the backward gathering fp32
 ]
 
 
@@ -98,7 +99,7 @@ def test_reduced_gradients_are_within_the_code_of_the_exact_ones(runs: list[list
 def test_losses_stay_close_to_the_unquantized_run_and_repeat_exactly(runs: list[list[dict]]) -> None:
     for rank in runs:
         base = rank[0]["losses"]
-        for i in (1, 2, 3, 4, 7, 9):
+        for i in (1, 2, 3, 4, 7, 9, 10):
             assert max(abs(a - b) / b for a, b in zip(rank[i]["losses"], base)) < 0.02, i
         assert rank[4]["losses"] == rank[8]["losses"]  # a fixed seed: the same losses run to run
         assert rank[4]["state"].keys() == rank[8]["state"].keys()
@@ -111,22 +112,27 @@ def test_quantized_collectives_keep_their_buffers_for_the_next_step(runs: list[l
     pages cost more than quantizing on CPU); an unquantized run has none."""
     for rank in runs:
         assert rank[0]["cached"] == rank[5]["cached"] == 0
-        assert all(rank[i]["cached"] > 0 for i in (1, 2, 3, 4, 6, 7, 8, 9))
+        assert all(rank[i]["cached"] > 0 for i in (1, 2, 3, 4, 6, 7, 8, 9, 10))
 
 
 def test_bytes_by_link_class_equal_the_formulas(runs: list[list[dict]]) -> None:
     """Two optimizer steps of GAS micro-steps, 2 nodes x 2 ranks, fp32. qwZ: each forward gathers every unit
-    in int8 (N rows of row_bytes(S)); the backward gathers it again in fp32. qgZ: every micro-step reduces each
-    trainable group through the node (N rows) and across nodes (N/m = 2 rows)."""
+    in int8 (N rows of row_bytes(S)), and the backward gathers each unit but the root (gathered throughout) in
+    int8 again; with exact_backward_weights in fp32. qgZ: every micro-step reduces each trainable group through
+    the node (N rows) and across nodes (N/m = 2 rows)."""
     micro = GAS * (OPT_STEPS - 1)
     q8 = BlockQuantizer(8, 256)
     r0 = runs[0]
     root, *units = r0[0]["units"]  # the root unit stays gathered from its forward to the end of backward
     fp32_backward = micro * sum(padded * 4 for u in units for padded, _ in u)
     int8_forward = micro * sum(4 * q8.row_bytes(s) for u in (root, *units) for _, s in u)
+    int8_backward = micro * sum(4 * q8.row_bytes(s) for u in units for _, s in u)
     qwz = r0[1]["bytes"]
-    assert qwz["inter_node:all_gather_int8"] == int8_forward
-    assert qwz["inter_node:all_gather"] == fp32_backward
+    assert qwz["inter_node:all_gather_int8"] == int8_forward + int8_backward
+    assert qwz.get("inter_node:all_gather", 0) == 0
+    exact_backward = r0[10]["bytes"]
+    assert exact_backward["inter_node:all_gather_int8"] == int8_forward
+    assert exact_backward["inter_node:all_gather"] == fp32_backward
     assert r0[0]["bytes"]["inter_node:all_gather"] == 2 * fp32_backward + micro * sum(p * 4 for p, _ in root)
     qgz = r0[2]["bytes"]
     assert qgz["intra_node:all_to_all_int8"] == 2 * qgz["inter_node:all_to_all_int8"]
@@ -148,42 +154,62 @@ def test_bytes_by_link_class_equal_the_formulas(runs: list[list[dict]]) -> None:
 def test_checkpoints_and_masters_are_untouched_by_quantization(runs: list[list[dict]]) -> None:
     """full_state_dict gathers in full precision: the quantized runs' weights are the masters', and they moved."""
     for rank in runs:
-        for i in (1, 4):
+        for i in (1, 4, 10):
             state = rank[i]["state"]
             assert all(t.dtype == torch.float32 for t in state.values())
             assert any(not torch.equal(state[n], rank[0]["state"][n]) for n in state)
         assert all(torch.equal(a, b) for a, b in zip(runs[0][4]["state"].values(), rank[4]["state"].values()))
 
 
-def _forward_weights(rank: int, world: int) -> dict:
-    """qwZ at the first forward: a unit's parameters hold the int8-dequantized values on every rank, while
-    gathered_parameters (full precision) gives the exact ones."""
+def _params(m: torch.nn.Module) -> dict:
+    return {n: p.detach().clone() for n, p in m.named_parameters()}
+
+
+def _weights_used(rank: int, exact_backward: bool) -> dict:
+    """qwZ at the first step: the weights a unit's forward and backward compute with, and what
+    gathered_parameters (full precision) gives."""
     torch.manual_seed(0)
     model = TinyLM()
     blk = model.h[0]
-    exact = {n: p.detach().clone() for n, p in blk.named_parameters()}
-    engine = zeroray.initialize(model, optimizer(model), config(3, "fp32", quantize={"weights": True}))
-    seen = {}
-    # A pre-hook registered after the engine's: it runs once the unit is gathered.
-    hook = blk.register_forward_pre_hook(lambda m, a: seen.update({n: p.detach().clone() for n, p in m.named_parameters()}))
+    exact = _params(blk)
+    quantize = {"weights": True, "exact_backward_weights": exact_backward}
+    engine = zeroray.initialize(model, optimizer(model), config(3, "fp32", quantize=quantize))
+    seen, back = {}, {}
+
+    def on_output(m: torch.nn.Module, args: tuple, out: torch.Tensor) -> None:
+        out.register_hook(lambda g: back.update(_params(m)))
+
+    # Hooks registered after the engine's run after them: the pre-hook once the unit is gathered for its
+    # forward, the output's gradient hook once it is gathered again for its backward.
+    hooks = [blk.register_forward_pre_hook(lambda m, a: seen.update(_params(m))), blk.register_forward_hook(on_output)]
     x, y = batches(rank, 1)[0]
     engine.backward(engine(x, y))
-    hook.remove()
+    for h in hooks:
+        h.remove()
     with engine.gathered_parameters():
-        after = {n: p.detach().clone() for n, p in blk.named_parameters()}
+        after = _params(blk)
     engine.close()
-    return {"seen": seen, "exact": exact, "after": after}
+    return {"seen": seen, "back": back, "exact": exact, "after": after}
 
 
-def test_the_forward_sees_dequantized_weights_and_the_shards_stay_exact() -> None:
+def _forward_weights(rank: int, world: int) -> list[dict]:
+    """By default, then with exact_backward_weights."""
+    return [_weights_used(rank, exact_backward) for exact_backward in (False, True)]
+
+
+def test_forward_and_backward_compute_with_the_same_dequantized_weights_and_the_shards_stay_exact() -> None:
     res = run_ranks(_forward_weights, 2)
-    for r in res:
+    for r, r_exact_backward in res:
         # A block of 256 values may span several parameters of the unit: half a step of the largest is the bound.
         half_step = max(float(w.abs().max()) for w in r["exact"].values()) / 254 * (1 + 1e-6)
         for name, w in r["exact"].items():
             assert torch.equal(r["after"][name], w), name  # no step yet: the shards are the exact values
-            assert torch.equal(r["seen"][name], res[0]["seen"][name])  # every rank computes with the same weights
+            assert torch.equal(r["seen"][name], res[0][0]["seen"][name])  # every rank computes with the same weights
             assert float((r["seen"][name] - w).abs().max()) <= half_step, name
+            assert torch.equal(r["back"][name], r["seen"][name]), name  # the backward: the forward's weights
+            # exact_backward_weights: the same forward, and a backward on the full-precision weights
+            assert torch.equal(r_exact_backward["seen"][name], r["seen"][name]), name
+            assert torch.equal(r_exact_backward["back"][name], w), name
         assert any(not torch.equal(r["seen"][n], w) for n, w in r["exact"].items())
 
 
@@ -226,10 +252,13 @@ def test_bad_quantize_settings_fail_before_any_work() -> None:
         ZeroConfig(stage=3, quantize={"weights": "yes"})
     with pytest.raises(ConfigError, match=r"quantize.intra_node_gradients: must be true or false or None \(automatic\), got 'no'"):
         ZeroConfig(stage=3, quantize={"gradients": True, "intra_node_gradients": "no"})
+    with pytest.raises(ConfigError, match="quantize.exact_backward_weights: must be true or false, got 1"):
+        ZeroConfig(stage=3, quantize={"weights": True, "exact_backward_weights": 1})
     cfg = load_config({"zero_optimization": {"stage": 3, "zero_quantized_weights": True, "zero_quantized_gradients": True,
                                              "zeroray_quantize_gradient_bits": 4,
-                                             "zeroray_quantize_intra_node_gradients": False}})
+                                             "zeroray_quantize_intra_node_gradients": False,
+                                             "zeroray_quantize_exact_backward_weights": True}})
     assert (cfg.quantize.weights, cfg.quantize.gradients, cfg.quantize.gradient_bits) == (True, True, 4)
-    assert cfg.quantize.intra_node_gradients is False
+    assert cfg.quantize.intra_node_gradients is False and cfg.quantize.exact_backward_weights is True
     with pytest.raises(ValueError, match="DeepSpeed config key 'zero_optimization.zero_quantized_gradients': qgZ"):
         load_config({"zero_optimization": {"stage": 1, "zero_quantized_gradients": True}})

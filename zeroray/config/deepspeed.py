@@ -169,12 +169,15 @@ TABLE: dict[str, Entry] = {
         "shard_group_size", _size_or_off(-1, 0), note="hybrid sharding at stages 1-3; -1 = off; \"auto\" = the ranks of a node"
     ),
     "zero_optimization.zeroray_trim_host_heap": Field("trim_host_heap", note="zeroray's own"),
-    "zero_optimization.zero_quantized_weights": Field("quantize.weights", note="ZeRO++ qwZ at stage 3: int8 forward gathers"),
+    "zero_optimization.zero_quantized_weights": Field("quantize.weights", note="ZeRO++ qwZ at stage 3: int8 parameter gathers (forward and backward)"),
     "zero_optimization.zero_quantized_gradients": Field(
         "quantize.gradients", note="ZeRO++ qgZ at stages 2-3: quantized all-to-all gradient reduction"
     ),
     "zero_optimization.zeroray_quantize_block_size": Field("quantize.block_size", _int, note="zeroray's own"),
     "zero_optimization.zeroray_quantize_gradient_bits": Field("quantize.gradient_bits", _int, note="zeroray's own"),
+    "zero_optimization.zeroray_quantize_exact_backward_weights": Field(
+        "quantize.exact_backward_weights", note="zeroray's own: True gathers the backward's weights in full precision under qwZ"
+    ),
     "zero_optimization.zeroray_quantize_intra_node_gradients": Field(
         "quantize.intra_node_gradients", note="zeroray's own: False sends qgZ's stage inside the node in fp32 (the default on CPU), True quantizes it"
     ),

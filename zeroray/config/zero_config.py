@@ -252,8 +252,10 @@ class CompileConfig:
 class QuantizeConfig:
     """ZeRO++'s quantized collectives (DeepSpeed's ``zero_quantized_weights`` / ``zero_quantized_gradients``).
 
-    ``weights`` (qwZ, stage 3): the forward's all-gather moves int8 codes, one fp32 scale per ``block_size``
-    values. ``gradients`` (qgZ, stages 2-3): the gradient reduce-scatter is an all-to-all of ``gradient_bits``
+    ``weights`` (qwZ, stage 3): a step's parameter all-gathers move int8 codes, one fp32 scale per ``block_size``
+    values, the backward's too, so it computes with the weights its forward used (as DeepSpeed does);
+    ``exact_backward_weights`` gathers the backward's in full precision instead (the form that lagged in the
+    convergence study). ``gradients`` (qgZ, stages 2-3): the gradient reduce-scatter is an all-to-all of ``gradient_bits``
     codes (4 or 8), hierarchical when the node layout is known. ``intra_node_gradients``: whether the hierarchical
     reduction quantizes its stage inside the node too (True: ZeRO++'s form) or sends it in fp32 and quantizes
     only the node's sum, once, before it crosses nodes (False: a third of the quantizing work and one rounding
@@ -266,9 +268,11 @@ class QuantizeConfig:
     block_size: int = 256
     gradient_bits: int = 8
     intra_node_gradients: bool | None = None
+    exact_backward_weights: bool = False
 
     def problems(self, stage: Any) -> Problems:
         yield from _flag("quantize.weights", self.weights)
+        yield from _flag("quantize.exact_backward_weights", self.exact_backward_weights)
         yield from _flag("quantize.gradients", self.gradients)
         yield from _flag("quantize.intra_node_gradients", self.intra_node_gradients, auto=True)
         b = self.block_size

@@ -283,7 +283,7 @@ def _lay_out(
     gather_check = GatherCheck(topology.shard) if sharding.shards_params else None
     quantize = config.quantize
     kernels = device.type == "cuda"  # the quantizer's ops compiled into fused kernels where that wins: CUDA
-    qwz = QuantizedGather(quantize.block_size, kernels) if quantize.weights else None
+    qwz = QuantizedGather(quantize.block_size, kernels, quantize.exact_backward_weights) if quantize.weights else None
     qgz = None
     if quantize.gradients:
         qgz = QuantizedReduceScatter(

@@ -39,7 +39,7 @@ from zeroray.engine import layout
 from zeroray.engine.comm import Chain, Comm, Handle
 from zeroray.engine.gather_pool import GatherPool
 from zeroray.engine.grad_buffer import GradBuffer
-from zeroray.engine.quantized_comm import QuantizedGather, QuantizedReduceScatter
+from zeroray.engine.quantized_comm import Phase, QuantizedGather, QuantizedReduceScatter
 
 
 class ShardFiles(Protocol):
@@ -102,7 +102,7 @@ class FlatGroup:
         # 1/h of the gathered parameters, so the backward's gather runs inside the node (see keep_secondary).
         self.secondary_comm = secondary
         self._secondary: torch.Tensor | None = None
-        self.qwz = qwz  # ZeRO++: the forward's gathers in int8 (stage 3) ...
+        self.qwz = qwz  # ZeRO++: the step's gathers in int8 (stage 3) ...
         self.qgz = qgz  # ... and the gradient reduce-scatter as a quantized all-to-all (stages 2-3)
         self.pool = pool  # where gathered memory comes from and goes back to (sharded params)
         self.check = check  # called with the group's name before each gather (a GatherCheck)
@@ -283,9 +283,9 @@ class FlatGroup:
             self.full.untyped_storage().resize_(0)
         self.state = ParamState.FREED
 
-    def start_gather(self, quantized: bool = False) -> None:
-        """Issue the all-gather of this group's shards (async); no-op unless freed. ``quantized``: a forward's
-        gather, in int8 under qwZ."""
+    def start_gather(self, phase: Phase | None = None) -> None:
+        """Issue the all-gather of this group's shards (async); no-op unless freed. ``phase``: the step's gather
+        for its "forward" or "backward" (int8 under qwZ, see ``QuantizedGather.quantizes``), None for exact values."""
         if self.state is not ParamState.FREED:
             return
         if self.check is not None:
@@ -303,7 +303,7 @@ class FlatGroup:
             shard = self.shard
         else:  # an offloaded shard comes to the device first (on a CPU-only machine it is there already)
             shard = self.shard.to(self.device, non_blocking=True)
-        if quantized and self.qwz is not None:
+        if self.qwz is not None and self.qwz.quantizes(phase):
             self._gather = self.qwz.all_gather(self.comm, self.full, shard)
         else:
             self._gather = self.comm.all_gather(self.full, shard, async_op=True)

@@ -1,9 +1,13 @@
 """ZeRO++'s quantized collectives (Wang et al., 2023): qwZ's weight gather and qgZ's gradient reduce-scatter.
 
-- **qwZ** (:class:`QuantizedGather`): stage 3's forward all-gather moves int8 codes with one fp32 scale per
-  block instead of the compute-dtype weights; every rank, the sender included, dequantizes every shard on
-  arrival, so all ranks compute with the same weights. The master and the sharded states stay full precision;
-  the backward's gather is a full-precision one (or hpZ's secondary copy, which holds the forward's values).
+- **qwZ** (:class:`QuantizedGather`): stage 3's all-gathers of a step, the forward's and the backward's, move
+  int8 codes with one fp32 scale per block instead of the compute-dtype weights; every rank, the sender
+  included, dequantizes every shard on arrival, so all ranks compute with the same weights. The codes are a
+  fixed function of the shard, so the backward computes with the very weights its forward used (as under
+  DeepSpeed's ``zero_quantized_weights``, and as hpZ's secondary copy, which holds the forward's values); with
+  ``exact_backward`` the backward gathers the full-precision weights instead, and its gradients then belong to
+  weights other than those of the forward that made the activations (the convergence study measured that form
+  lagging: benchmarks/results/zeropp/convergence.md). The master and the sharded states stay full precision.
 - **qgZ** (:class:`QuantizedReduceScatter`): the gradient reduce-scatter becomes an all-to-all of quantized
   rows: row r of each rank's gradient buffer goes to rank r, which dequantizes the rows it received and sums
   them in fp32. When the shard group spans nodes with the same number m of ranks on each, in node-major
@@ -16,12 +20,14 @@
   the node's own links, which is the better trade where those are fast and the cores are few.
 
 Byte counts (``comm_report``), B = ``BlockQuantizer.row_bytes``, S the shard's elements, N the group size:
-qwZ counts ``all_gather_int8`` = N x B(S); qgZ counts ``all_to_all_int<bits>`` = N x B(S) in one level, or
+qwZ counts ``all_gather_int8`` = N x B(S) a gather; qgZ counts ``all_to_all_int<bits>`` = N x B(S) in one level, or
 N x B(S) inside the node plus (N/m) x B(S) across nodes when hierarchical (scales included); with
 ``quantize_node=False`` the node's stage counts ``all_to_all`` = N x S x 4 (fp32) instead.
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 import torch
 
@@ -29,14 +35,20 @@ from zeroray.engine.comm import Chain, Comm, Handle
 from zeroray.engine.quantize import BlockQuantizer, QuantizeKernels
 
 WEIGHT_BITS = 8
+Phase = Literal["forward", "backward"]  # which of a step's gathers (None: an exact gather, outside the step)
 
 
 class QuantizedGather:
     """qwZ: a block-wise int8 all-gather of a flat group's shards into its full buffer."""
 
-    def __init__(self, block: int, compiled: bool = False):
+    def __init__(self, block: int, compiled: bool = False, exact_backward: bool = False):
         self.quantizer = QuantizeKernels(BlockQuantizer(WEIGHT_BITS, block), compiled)
         self.kind = f"all_gather_int{WEIGHT_BITS}"
+        self.exact_backward = exact_backward
+
+    def quantizes(self, phase: Phase | None) -> bool:
+        """Whether a gather for ``phase`` goes through this quantized gather (else full precision)."""
+        return phase == "forward" or (phase == "backward" and not self.exact_backward)
 
     def all_gather(self, comm: Comm, full: torch.Tensor, shard: torch.Tensor) -> Handle:
         """Issue the gather of every rank's ``shard`` into ``full`` (``world x shard`` elements, compute dtype);

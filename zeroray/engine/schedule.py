@@ -29,6 +29,7 @@ from torch.utils.hooks import RemovableHandle
 
 from zeroray.engine.compiled import outside_graph
 from zeroray.engine.flat_group import FlatGroup, ParamState
+from zeroray.engine.quantized_comm import Phase
 from zeroray.engine.saved_views import SavedViews
 from zeroray.engine.unit import TrainingState, Unit
 
@@ -89,12 +90,12 @@ class UnitScheduler:
         """The root unit, then the units."""
         return [self.root, *self.units]
 
-    def _prefetch(self, order: list[Unit], start: int, forward: bool = False) -> None:
+    def _prefetch(self, order: list[Unit], start: int, phase: Phase) -> None:
         budget = self.prefetch_numel
         for unit in order[start:]:
             if budget <= 0:
                 break
-            unit.prefetch(forward)
+            unit.prefetch(phase)
             budget -= unit.numel
         self._read_ahead(order[start:])
 
@@ -115,14 +116,14 @@ class UnitScheduler:
         """A module holding root parameters runs after the root was freed early in this backward
         (a checkpointed region recomputing): gather it again until the backward ends."""
         if self.root.state is TrainingState.POST_BACKWARD and not self.root.gathered:
-            self.root.gather(forward=True)  # what the first forward computed with (int8 under qwZ)
+            self.root.gather("forward")  # what the first forward computed with (int8 under qwZ)
 
     def _pre_forward(self, unit: Unit, module: nn.Module, args: Any) -> None:
         self._fwd.append(unit)
         unit.pre_forward()
         pos = len(self._fwd)
         if pos <= len(self.order) and self.order[pos - 1] is unit:
-            self._prefetch(self.order, pos, forward=True)
+            self._prefetch(self.order, pos, "forward")
 
     def _post_forward(self, unit: Unit, module: nn.Module, args: Any, output: Any) -> None:
         backward_follows = False
@@ -157,9 +158,9 @@ class UnitScheduler:
             pos = None
         if pos is None and unit.gathered:
             return
-        unit.prefetch()
+        unit.prefetch("backward")
         if pos is not None:
-            self._prefetch(self._bwd_order, pos + 1)
+            self._prefetch(self._bwd_order, pos + 1, "backward")
         unit.pre_backward()
         if self.root.state is TrainingState.BACKWARD and self._root_views.all_read:
             self.root.free_unused()

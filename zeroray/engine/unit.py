@@ -21,6 +21,7 @@ from enum import Enum, auto
 from torch import nn
 
 from zeroray.engine.flat_group import FlatGroup, ParamState
+from zeroray.engine.quantized_comm import Phase
 
 
 class TrainingState(Enum):
@@ -49,13 +50,14 @@ class Unit:
     def gathered(self) -> bool:
         return all(g.state is ParamState.GATHERED for g in self.groups)
 
-    def prefetch(self, forward: bool = False) -> None:
-        """Issue the all-gathers of every group (async); ``forward``: for a forward (int8 under qwZ)."""
+    def prefetch(self, phase: Phase | None = None) -> None:
+        """Issue the all-gathers of every group (async); ``phase``: the step's gather for its "forward" or
+        "backward" (int8 under qwZ), or None for the exact values."""
         for g in self.groups:
-            g.start_gather(quantized=forward)
+            g.start_gather(phase)
 
-    def gather(self, forward: bool = False) -> None:
-        self.prefetch(forward)
+    def gather(self, phase: Phase | None = None) -> None:
+        self.prefetch(phase)
         for g in self.groups:
             g.wait_gather()
 
@@ -82,7 +84,7 @@ class Unit:
     # ------------------------------------------------------------------ forward / backward
     def pre_forward(self) -> None:
         self.state = TrainingState.FORWARD
-        self.gather(forward=True)
+        self.gather("forward")
 
     def post_forward(self, backward_follows: bool) -> None:
         if not backward_follows:
@@ -100,7 +102,7 @@ class Unit:
 
     def pre_backward(self) -> None:
         self.state = TrainingState.BACKWARD
-        self.gather()
+        self.gather("backward")
 
     def reduced(self, group: FlatGroup) -> bool:
         """The reducer launched ``group``'s reduction; True if it was the unit's last."""
