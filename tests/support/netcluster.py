@@ -138,8 +138,12 @@ def _exit_on_sigterm() -> Callable[[], None]:
     def stop(signum: int, frame: object) -> None:
         raise SystemExit(128 + signum)
 
+    def restore() -> None:  # unless something set a handler of its own since
+        if signal.getsignal(signal.SIGTERM) is stop:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
     signal.signal(signal.SIGTERM, stop)
-    return lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    return restore
 
 
 def _delete_netns(netns: str) -> None:
