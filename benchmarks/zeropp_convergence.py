@@ -438,13 +438,15 @@ def analyse(runs: dict[str, Any], steps: int) -> dict[str, Any]:
             "max_gap_full_window": max(full_window, key=abs),
             "gaps": gaps, "smoothed": ma,
         }
-    return {"warmup": warmup, "from_step": from_step, "modes": summary, "seeds": _across_seeds(runs, steps, from_step)}
+    return {"warmup": warmup, "from_step": from_step, "modes": summary,
+            "seeds": _across_seeds(runs, summary, steps, from_step)}
 
 
-def _across_seeds(runs: dict[str, Any], steps: int, from_step: int) -> dict[str, Any]:
+def _across_seeds(runs: dict[str, Any], summary: dict[str, Any], steps: int, from_step: int) -> dict[str, Any]:
     """Per mode run to the end at every seed the baseline was: the mean over seeds of the per-step losses, its
     final loss and smoothed curve against the baseline's mean, and each seed's final loss against its own
-    baseline's. Empty with one seed."""
+    baseline's. ``summary``: analyse's per-run results (each run's smoothed gaps to its seed's baseline).
+    Empty with one seed."""
     by_mode: dict[str, dict[int, dict[str, Any]]] = {}
     for name, run in runs.items():
         plain, seed = _seed_of(name)
@@ -474,9 +476,7 @@ def _across_seeds(runs: dict[str, Any], steps: int, from_step: int) -> dict[str,
         per_seed = [(final(at[s]["losses"]) - final(by_mode["baseline"][s]["losses"])) / final(by_mode["baseline"][s]["losses"])
                     for s in seeds]
         # The seeds' spread: per step, the standard error of the mean of the per-seed smoothed gaps.
-        seed_gaps = [[(m - b) / b for m, b in zip(moving_average(at[s]["losses"], SMOOTH),
-                                                  moving_average(by_mode["baseline"][s]["losses"], SMOOTH))]
-                     for s in seeds]
+        seed_gaps = [summary[mode if s == SEED else _seeded(mode, s)]["gaps"] for s in seeds]
         se = [_std(list(g)) / math.sqrt(len(seeds)) for g in zip(*seed_gaps)]
         out["modes"][mode] = {"seeds": seeds, "final_mean": final(curve), "final_rel": (final(curve) - final(base)) / final(base),
                               "per_seed_final_rel": per_seed, "final_rel_se": _std(per_seed) / math.sqrt(len(seeds)),
