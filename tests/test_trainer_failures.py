@@ -4,10 +4,12 @@ nothing left behind and the run's files telling the truth."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import ray
@@ -119,6 +121,33 @@ def test_a_group_that_cannot_be_placed_says_what_could_not_be_placed(ray_cluster
     run_info = json.loads((tmp_path / "runs" / "unplaceable" / "run.json").read_text())
     assert run_info["status"] == "ERRORED" and "could not place" in run_info["error"]
     assert_nothing_left("unplaceable")
+
+
+def _rank0_slow_to_answer_when_rank1_fails(config):
+    """Rank 0 queues report 1 and then answers no poll for a second (a C call that holds the GIL, as a busy
+    machine may delay an actor); meanwhile rank 1 fails: the driver learns of the failure before rank 0 hands
+    over its report."""
+    zt.report({"step": 1})
+    marker = Path(config["marker"])
+    if zt.get_context().get_world_rank() == 0:
+        marker.write_text("report 1 queued")
+        ctypes.PyDLL(None).usleep(1_000_000)  # PyDLL: the call keeps the GIL
+        return
+    deadline = time.monotonic() + BOUND_S
+    while not marker.exists():
+        assert time.monotonic() < deadline, "rank 0 never queued report 1"
+        time.sleep(0.01)
+    raise RuntimeError("rank 1 fails after report 1")
+
+
+def test_reports_queued_before_a_failure_reach_the_history(ray_cluster, tmp_path):
+    with pytest.raises(TrainingFailedError) as info:
+        ZeroTrainer(_rank0_slow_to_answer_when_rank1_fails, train_loop_config={"marker": str(tmp_path / "queued")},
+                    scaling_config=ScalingConfig(num_workers=2),
+                    run_config=run_config(tmp_path, "late-report", failure_config=FailureConfig(max_failures=0))).fit()
+    assert info.value.rank == 1 and "rank 1 fails after report 1" in str(info.value)
+    assert [h["step"] for h in info.value.result.metrics_history] == [1]
+    assert_nothing_left("late-report")
 
 
 _FULL_DISK_DRIVER = """

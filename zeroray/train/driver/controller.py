@@ -87,6 +87,9 @@ RECOVERY_POINT_WAIT_S = 120.0
 # leaving ranks anyway (the node may outlive its deadline a little; a notice without deadline waits
 # RECOVERY_POINT_WAIT_S).
 PREEMPTION_STOP_SLACK_S = 5.0
+# How long a failed group's rank 0 gets to hand over the reports it queued before the failure (a live actor answers
+# at once; a dead one fails at once; one behind a cut link is given up on).
+LAST_REPORTS_WAIT_S = 2.0
 # How long the surviving ranks of a failed group get to leave their loop before they are killed instead of
 # kept. A rank whose peer died fails at once (the socket closes); one still waiting in a collective on a peer that
 # is alive but unreachable (a cut link) or stopped has its group's connections shut by the release
@@ -467,7 +470,10 @@ class Controller:
     def _poll_group(self, timeout_s: float) -> PollStatus:
         """One poll of the group; its reports go to the callbacks, rank 0's start-up timings to the attempt."""
         assert self.group is not None
-        status = self.group.poll(timeout_s=timeout_s)
+        return self._take(self.group.poll(timeout_s=timeout_s))
+
+    def _take(self, status: PollStatus) -> PollStatus:
+        """A poll's reports to the callbacks, rank 0's start-up timings and resume point to the attempt."""
         for report in status.reports:
             self._on_report(report)
         if status.timings and self.attempt_history:
@@ -552,6 +558,8 @@ class Controller:
                               "", actor_died=True) for r in ranks if group.node_of(r) in lost]
 
     def _on_failure(self, failures: list[Failure]) -> S.ControllerState:
+        if self.group is not None:  # the reports rank 0 queued before the failure belong to this attempt
+            self._take(self.group.last_reports(LAST_REPORTS_WAIT_S))
         first = next((f for f in failures if not getattr(f, "secondary", False)), failures[0])
         rank = getattr(first, "rank", None)
         node = self.group.node_of(rank) if self.group is not None else None

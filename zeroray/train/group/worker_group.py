@@ -434,6 +434,30 @@ class WorkerGroup:
         status.stopped_at = self._stopped_at
         return status
 
+    def last_reports(self, timeout_s: float) -> PollStatus:
+        """Rank 0's reports that no poll has taken yet, when its actor lives: a poll that finds a failure may
+        return before rank 0 answers, and the reports it queued before the failure (the steps the group
+        completed, which the next group resumes after) must reach the driver before the group ends. Waits up to
+        ``timeout_s`` for the unanswered poll, then for one more (the reports queued since)."""
+        status = PollStatus()
+        if not self.slots or 0 in self._gone:
+            return status
+        unanswered = self._in_flight.pop(0, None)
+        for _ in range(2):
+            ref, unanswered = unanswered or self.actors[0].poll.remote(), None
+            ready, _ = ray.wait([ref], timeout=timeout_s)
+            if not ready:
+                return status
+            try:
+                answer: PollAnswer = ray.get(ref)
+            except RayActorError:  # it died meanwhile: what it queued is gone with it
+                self._gone.add(0)
+                return status
+            status.reports.extend(answer.reports)
+            status.timings = status.timings or answer.timings
+            status.resumed = status.resumed or answer.resumed
+        return status
+
     def where(self, rank: int) -> str:
         """Where ``rank`` runs, for messages: " (node <id>, pid <pid>)"."""
         info = self.node_infos[rank] if rank < len(self.node_infos) else {}
