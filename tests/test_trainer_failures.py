@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
 import subprocess
 import sys
 import time
@@ -140,14 +141,31 @@ def _rank0_slow_to_answer_when_rank1_fails(config):
     raise RuntimeError("rank 1 fails after report 1")
 
 
-def test_reports_queued_before_a_failure_reach_the_history(ray_cluster, tmp_path):
+def _rank0_dies_after_report_1(config):
+    """Report 1 is queued on every rank; rank 0's process ends before any poll takes it."""
+    zt.report({"step": 1, "rank": zt.get_context().get_world_rank()})
+    if zt.get_context().get_world_rank() == 0:
+        os._exit(1)
+    zt.report({"step": 2, "rank": 1})  # waits for rank 0, and fails once its connection closes
+
+
+@pytest.mark.parametrize(("loop", "rank", "message"), [
+    (_rank0_slow_to_answer_when_rank1_fails, 1, "rank 1 fails after report 1"),
+    (_rank0_dies_after_report_1, 0, "the rank's actor process died"),
+], ids=["rank-0-slow-to-answer", "rank-0-dead"])
+def test_reports_queued_before_a_failure_reach_the_history(ray_cluster, tmp_path, loop, rank, message):
+    """Rank 0's report 1 reaches the history though the failure is found first: from rank 0 once it answers,
+    or, when rank 0 is dead, from rank 1, which queued the same report (rank 0's metrics)."""
+    name = f"late-report-{rank}"
     with pytest.raises(TrainingFailedError) as info:
-        ZeroTrainer(_rank0_slow_to_answer_when_rank1_fails, train_loop_config={"marker": str(tmp_path / "queued")},
+        ZeroTrainer(loop, train_loop_config={"marker": str(tmp_path / "queued")},
                     scaling_config=ScalingConfig(num_workers=2),
-                    run_config=run_config(tmp_path, "late-report", failure_config=FailureConfig(max_failures=0))).fit()
-    assert info.value.rank == 1 and "rank 1 fails after report 1" in str(info.value)
-    assert [h["step"] for h in info.value.result.metrics_history] == [1]
-    assert_nothing_left("late-report")
+                    run_config=run_config(tmp_path, name, failure_config=FailureConfig(max_failures=0))).fit()
+    assert info.value.rank == rank and message in str(info.value)
+    history = info.value.result.metrics_history
+    assert [h["step"] for h in history] == [1] and history[0].get("rank", 0) == 0, history
+    assert info.value.result.attempt_history[-1].last_step is None  # no engine: no global step
+    assert_nothing_left(name)
 
 
 _FULL_DISK_DRIVER = """

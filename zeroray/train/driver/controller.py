@@ -87,8 +87,8 @@ RECOVERY_POINT_WAIT_S = 120.0
 # leaving ranks anyway (the node may outlive its deadline a little; a notice without deadline waits
 # RECOVERY_POINT_WAIT_S).
 PREEMPTION_STOP_SLACK_S = 5.0
-# How long a failed group's rank 0 gets to hand over the reports it queued before the failure (a live actor answers
-# at once; a dead one fails at once; one behind a cut link is given up on).
+# How long a failed group's ranks get to hand over the reports queued before the failure (a live actor answers at
+# once; a dead one fails at once; one behind a cut link is given up on).
 LAST_REPORTS_WAIT_S = 2.0
 # How long the surviving ranks of a failed group get to leave their loop before they are killed instead of
 # kept. A rank whose peer died fails at once (the socket closes); one still waiting in a collective on a peer that
@@ -558,8 +558,9 @@ class Controller:
                               "", actor_died=True) for r in ranks if group.node_of(r) in lost]
 
     def _on_failure(self, failures: list[Failure]) -> S.ControllerState:
-        if self.group is not None:  # the reports rank 0 queued before the failure belong to this attempt
-            self._take(self.group.last_reports(LAST_REPORTS_WAIT_S))
+        if self.group is not None:  # the reports queued before the failure belong to this attempt
+            gone = {f.rank for f in failures if getattr(f, "actor_died", False) or getattr(f, "hung", False)}
+            self._take(self.group.last_reports(LAST_REPORTS_WAIT_S, skip=gone))
         first = next((f for f in failures if not getattr(f, "secondary", False)), failures[0])
         rank = getattr(first, "rank", None)
         node = self.group.node_of(rank) if self.group is not None else None

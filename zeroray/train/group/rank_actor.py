@@ -123,6 +123,7 @@ class RankActor:
         self.stopped_with: Any = None  # the RecoveryChoice the loop stopped with (a preemption's, a resize's)
         self.loop_started_at: float | None = None
         self.timings_sent = False
+        self.unsent: list[Report] = []  # the group's reports newer than the driver's last (a rank other than 0)
 
     def __repr__(self) -> str:  # Ray prefixes the actor's log lines with this
         return actor_name(self.run, self.info.world_rank) if self.info is not None else f"zeroray:{self.run}:idle"
@@ -226,15 +227,16 @@ class RankActor:
         finally:
             self.done = True
 
-    def poll(self) -> PollAnswer:
-        """Reports queued since the last poll, and whether the loop ended or failed."""
+    def poll(self, seen: int = 0, send: bool = True) -> PollAnswer:
+        """Reports queued since the last poll, and whether the loop ended or failed. ``send``: this rank hands
+        the group's reports to the driver (rank 0); the others keep those newer than ``seen`` (the driver's
+        last) for :meth:`held_reports`."""
         self._contact = time.monotonic()
         done, failure = self.done, self.failure  # read first: every report of a done loop is queued by now
-        reports: list[Report] = []
-        if self.session is not None:
-            q = self.session.reports
-            while not q.empty():
-                reports.append(q.get_nowait())
+        queued = self._queued(seen)
+        reports = queued if send else []
+        if send:
+            self.unsent = []
         timings = resumed = None
         if reports and not self.timings_sent:
             self.timings_sent = True
@@ -244,6 +246,20 @@ class RankActor:
         return PollAnswer(reports=tuple(reports), done=done, failure=failure, stopped=self.stopped and done,
                           stopped_at=self.stopped_at, timings=timings, resumed=resumed,
                           stopped_with=self.stopped_with, sigterm=sigterm)
+
+    def held_reports(self, seen: int) -> tuple[Report, ...]:
+        """The group's reports this rank queued that are newer than ``seen``: the driver's last, when rank 0
+        went before handing them over."""
+        return tuple(self._queued(seen))
+
+    def _queued(self, seen: int) -> list[Report]:
+        """The reports queued so far and not yet sent that are newer than ``seen``."""
+        if self.session is not None:
+            q = self.session.reports
+            while not q.empty():
+                self.unsent.append(q.get_nowait())
+        self.unsent = [r for r in self.unsent if r.index > seen]
+        return list(self.unsent)
 
     def _startup_timings(self, first_report_at: float) -> dict[str, float]:
         """Seconds from the loop's start to its first report: building the model and engine (until zt.prepare

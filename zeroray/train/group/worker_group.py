@@ -43,6 +43,7 @@ from zeroray.train.errors import WorkerFailure
 from zeroray.train.group.poll import PollAnswer, PollStatus
 from zeroray.train.group.priority import RANK_RUNTIME_ENV
 from zeroray.train.group.rank_actor import RankActor, actor_name
+from zeroray.train.report import Report
 from zeroray.train.run_spec import RankInfo, RunSpec
 from zeroray.train.sizing import ScalingDecision
 
@@ -239,6 +240,7 @@ class WorkerGroup:
         self._stopped: list[bool] = []
         self._stopped_at: int | None = None
         self._gone: set[int] = set()  # dead or declared hung: not polled again
+        self._seen = 0  # the index of the newest report taken from the ranks
 
     @property
     def actors(self) -> list[Any]:
@@ -381,7 +383,7 @@ class WorkerGroup:
         for ``hang_timeout_s``). Waits up to ``timeout_s`` for every rank's answer, all at once."""
         for rank, actor in enumerate(self.actors):
             if rank not in self._in_flight and rank not in self._gone:
-                self._in_flight[rank] = actor.poll.remote()
+                self._in_flight[rank] = actor.poll.remote(self._seen, rank == 0)
         refs = list(self._in_flight.values())
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s) if refs else ([], [])
         ready_set = set(ready)
@@ -406,6 +408,7 @@ class WorkerGroup:
             answer = answers[rank]
             if rank == 0:
                 status.reports.extend(answer.reports)
+                self._seen = max([self._seen, *(r.index for r in answer.reports)])
                 status.timings = answer.timings
                 status.resumed = answer.resumed
                 status.stopped_with = answer.stopped_with
@@ -434,28 +437,36 @@ class WorkerGroup:
         status.stopped_at = self._stopped_at
         return status
 
-    def last_reports(self, timeout_s: float) -> PollStatus:
-        """Rank 0's reports that no poll has taken yet, when its actor lives: a poll that finds a failure may
-        return before rank 0 answers, and the reports it queued before the failure (the steps the group
-        completed, which the next group resumes after) must reach the driver before the group ends. Waits up to
-        ``timeout_s`` for the unanswered poll, then for one more (the reports queued since)."""
+    def last_reports(self, timeout_s: float, skip: set[int]) -> PollStatus:
+        """The group's reports that no poll has taken yet, before the group ends: a poll that finds a failure
+        may return before rank 0 answers, and the reports queued before the failure (the steps the group
+        completed, which the next group resumes after) must reach the driver. Every rank queues them
+        (worker/reporting.py): rank 0's unanswered poll is taken first, and each live rank not in ``skip`` (dead
+        with its node, hung) is asked for those it holds; rank 0's answer settles it, else the others' within
+        ``timeout_s`` (rank 0 died, or does not answer)."""
         status = PollStatus()
-        if not self.slots or 0 in self._gone:
-            return status
-        unanswered = self._in_flight.pop(0, None)
-        for _ in range(2):
-            ref, unanswered = unanswered or self.actors[0].poll.remote(), None
-            ready, _ = ray.wait([ref], timeout=timeout_s)
+        asked = [r for r in range(len(self.slots)) if r not in self._gone and r not in skip]
+        unanswered = self._in_flight.pop(0, None) if 0 in asked else None
+        held = {self.actors[r].held_reports.remote(self._seen): r for r in asked}  # after the poll: calls keep order
+        pending = ([unanswered] if unanswered is not None else []) + list(held)
+        by_index: dict[int, Report] = {}
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(deadline - time.monotonic(), 0.0))
             if not ready:
-                return status
+                break
             try:
-                answer: PollAnswer = ray.get(ref)
-            except RayActorError:  # it died meanwhile: what it queued is gone with it
-                self._gone.add(0)
-                return status
-            status.reports.extend(answer.reports)
-            status.timings = status.timings or answer.timings
-            status.resumed = status.resumed or answer.resumed
+                got = ray.get(ready[0])
+            except Exception:  # the actor died meanwhile: what it held is gone with it
+                continue
+            if isinstance(got, PollAnswer):
+                got, status.timings, status.resumed = got.reports, got.timings, got.resumed
+            rank = held.get(ready[0], 0)
+            by_index.update({r.index: r for r in got if rank == 0 or r.index not in by_index})
+            if ready[0] in held and rank == 0:
+                break  # rank 0 holds every report the group made
+        status.reports = [by_index[i] for i in sorted(by_index) if i > self._seen]
+        self._seen = max([self._seen, *by_index])
         return status
 
     def where(self, rank: int) -> str:

@@ -2,7 +2,9 @@
 
 Every rank calls it the same number of times (as in Ray Train). The ranks exchange their small stats
 with one ``all_gather_object`` on a separate gloo group, so the barrier never touches the engine's
-(possibly NCCL) streams; rank 0 then queues one combined report that the driver polls.
+(possibly NCCL) streams; each rank then queues the same combined report (rank 0's metrics, every rank's
+stats). The driver polls rank 0's, and reads a surviving rank's when rank 0 died with reports it had not
+handed over.
 
 When a rank's loop ends it joins one last exchange marked "done"; a rank still inside ``report`` then
 sees the marker and both raise ReportMismatchError instead of hanging. ``checkpoint=True`` travels in
@@ -162,8 +164,10 @@ def report(metrics: dict[str, Any], checkpoint: bool = False) -> None:
     agreed = preemption.agreed(gathered)
     if agreed is not None:  # a preemption notice: the recovery point that fits its deadline, then the loop ends
         preemption.take_recovery_point(session, *agreed, plain, ranks, session.num_reports)
-    if is_rank0:
-        session.reports.put(Report(index=session.num_reports, time=time.time(), metrics=plain, ranks=ranks))
+    # Every rank queues the group's report (rank 0's metrics): the driver takes rank 0's, and another rank's when
+    # rank 0 died before handing its last ones over (WorkerGroup.last_reports).
+    session.reports.put(Report(index=session.num_reports, time=time.time(), metrics=gathered[0]["metrics"],
+                               ranks=ranks))
 
 
 def finish(session: Session) -> None:
