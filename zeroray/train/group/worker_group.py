@@ -463,8 +463,8 @@ class WorkerGroup:
                 got, status.timings, status.resumed = got.reports, got.timings, got.resumed
             rank = held.get(ready[0], 0)
             by_index.update({r.index: r for r in got if rank == 0 or r.index not in by_index})
-            if ready[0] in held and rank == 0:
-                break  # rank 0 holds every report the group made
+            if ready[0] in held and rank == 0 and unanswered not in pending:
+                break  # rank 0 has handed over every report the group made
         status.reports = [by_index[i] for i in sorted(by_index) if i > self._seen]
         self._seen = max([self._seen, *by_index])
         return status
