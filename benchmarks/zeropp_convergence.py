@@ -548,6 +548,7 @@ def report(payload: dict[str, Any], out: Path = OUT) -> str:
     base_run = runs.get("baseline") or next(r for n, r in runs.items() if _seed_of(n)[0] == "baseline")
     steps, b = meta["steps"], meta["batch"]
     names = list(runs)
+    seeds = sorted({_seed_of(n)[1] for n in runs})
     lines = [
         "# ZeRO++ convergence (issue 33)",
         "",
@@ -572,8 +573,11 @@ def report(payload: dict[str, Any], out: Path = OUT) -> str:
         + f"). Quantization block {BLOCK_SIZE} values per fp32 scale; qwZ int8; qgZ in ZeRO++'s own form, quantized "
         "inside the node too (`intra_node_gradients=True`, two roundings; the CPU default sends that stage in fp32 "
         "and rounds once).",
-        "- Same seed (`torch.manual_seed(1337)` before the model is built) and same data in every run: step s, "
-        f"rank r trains on global samples [{4 * b}s + {b}r, {4 * b}s + {b}r + {b}), windows placed by the example's "
+        (f"- Same seed (`torch.manual_seed({SEED})` before the model is built) and same data in every run: step s, "
+         if seeds == [SEED] else
+         f"- Seeds {', '.join(map(str, seeds))} (`torch.manual_seed(N)` before the model is built; the example's is "
+         f"{SEED}; each run is compared with the baseline of its seed) and the same data in every run: step s, ")
+        + f"rank r trains on global samples [{4 * b}s + {b}r, {4 * b}s + {b}r + {b}), windows placed by the example's "
         "former `windows_at` (kept in this script). A step's loss is the mean of the 4 ranks' micro-batch losses.",
         "- 'baseline perturbed 1e-6' is a control, not ZeRO++: the baseline with each initial weight scaled by "
         "(1 + 1e-6 N(0,1)), which shows how far this recipe's curves drift apart from a perturbation far below "
