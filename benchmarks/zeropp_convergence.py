@@ -401,9 +401,10 @@ def _seeded(name: str, seed: int) -> str:
 
 
 def _seed_of(name: str) -> tuple[str, int]:
-    """(the run's name without its seed, its seed)."""
-    m = re.fullmatch(r"(.*) \(seed (\d+)\)", name)
-    return (m.group(1), int(m.group(2))) if m else (name, SEED)
+    """(the run's name without its seed, its seed); a repeat's suffixes stay: "x (seed 2) (separate job)" is
+    ("x (separate job)", 2)."""
+    m = re.fullmatch(r"(.*?) \(seed (\d+)\)((?: \(repeat\)| \(separate job\)| \[[^\]]*\])*)", name)
+    return (m.group(1) + m.group(3), int(m.group(2))) if m else (name, SEED)
 
 
 def analyse(runs: dict[str, Any], steps: int) -> dict[str, Any]:
@@ -675,8 +676,10 @@ def report(payload: dict[str, Any], out: Path = OUT) -> str:
     notes = out / "convergence_notes.md"
     if notes.exists():  # the findings, written by hand after a run
         lines += ["", notes.read_text().strip()]
+    plots = ([f"convergence.png (seed {SEED}: smoothed curves; gap to baseline)"] if SEED in seeds else []) + (
+        ["convergence_seeds.png (the means over the seeds)"] if ana["seeds"] else [])
     lines += ["", "Raw per-step losses (global and per rank) and step times: convergence.json. "
-              "Plot: convergence.png (smoothed curves; gap to baseline).", ""]
+              f"Plots: {', '.join(plots)}.", ""]
     return "\n".join(lines)
 
 
