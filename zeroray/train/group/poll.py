@@ -20,8 +20,8 @@ class PollAnswer:
     """One rank's answer to a poll (``RankActor.poll``).
 
     ``reports``: the group's reports queued since the last poll (rank 0 only: every rank queues them, and
-    the others keep theirs for ``RankActor.held_reports``); ``done``: the loop has ended, by returning, failing or stopping (every report it made is in
-    this answer or an earlier one); ``failure``: why it failed; ``stopped``: it ended at a recovery point
+    the others keep theirs for ``RankActor.held_reports``); ``done``: the loop has ended, by returning,
+    failing or stopping (every report it made is in this answer or an earlier one); ``failure``: why it failed; ``stopped``: it ended at a recovery point
     (a planned resize), at the engine's global step ``stopped_at``. ``timings`` and ``resumed`` come once,
     with the rank's first report: its start-up seconds by phase (``Attempt.phases``) and where its
     ``zt.prepare`` resumed from ("memory" | "replica" | "storage", step). ``stopped_with``: the recovery point
