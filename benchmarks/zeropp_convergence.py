@@ -403,8 +403,8 @@ def _seeded(name: str, seed: int) -> str:
 def _seed_of(name: str) -> tuple[str, int]:
     """(the run's name without its seed, its seed); a repeat's suffixes stay: "x (seed 2) (separate job)" is
     ("x (separate job)", 2)."""
-    m = re.fullmatch(r"(.*?) \(seed (\d+)\)((?: \(repeat\)| \(separate job\)| \[[^\]]*\])*)", name)
-    return (m.group(1) + m.group(3), int(m.group(2))) if m else (name, SEED)
+    m = re.search(r" \(seed (\d+)\)", name)
+    return (name[:m.start()] + name[m.end():], int(m.group(1))) if m else (name, SEED)
 
 
 def analyse(runs: dict[str, Any], steps: int) -> dict[str, Any]:
