@@ -31,7 +31,6 @@ from typing import Any
 
 from zeroray.checkpoint import snapshot
 from zeroray.train.preemption import PreemptionInfo, RecoveryChoice, merge
-from zeroray.train.report import Report
 from zeroray.train.worker import recovery
 from zeroray.train.worker.context import Session, get_session
 
@@ -182,10 +181,9 @@ def _keep_replicas(session: Session, info: PreemptionInfo, keeps_ranks: bool) ->
     return why_not, time.perf_counter() - start
 
 
-def take_recovery_point(session: Session, info: PreemptionInfo, keeps_ranks: bool, metrics: dict[str, Any],
-                        ranks: tuple[Any, ...], num_reports: int) -> None:
+def take_recovery_point(session: Session, info: PreemptionInfo, keeps_ranks: bool) -> None:
     """Collective, at the end of the ``zt.report`` whose exchange agreed on ``info``: take the recovery point that
-    fits the deadline (or none), queue rank 0's report, end the loop (:class:`RecoveryPointReached`)."""
+    fits the deadline (or none), end the loop (:class:`RecoveryPointReached`; ``zt.report`` queues its report)."""
     engine = session.engine
     choice = RecoveryChoice("none", None, info.remaining_s(), {}, {}, {"any": "no engine (zt.prepare not called)"})
     if engine is not None:
@@ -210,6 +208,4 @@ def take_recovery_point(session: Session, info: PreemptionInfo, keeps_ranks: boo
             recovery.wait_for_save(session)
         choice = RecoveryChoice(kind, int(engine.global_step), remaining, needed, how, unavailable,
                                 time.perf_counter() - start)
-    if session.context.get_world_rank() == 0:
-        session.reports.put(Report(index=num_reports, time=time.time(), metrics=metrics, ranks=ranks))
     raise recovery.RecoveryPointReached(choice.step, choice)

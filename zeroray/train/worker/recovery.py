@@ -52,7 +52,7 @@ from typing import Any
 import zeroray.checkpoint as zc
 from zeroray.checkpoint import snapshot
 from zeroray.train.preemption import RecoveryChoice
-from zeroray.train.report import RankStats, Report
+from zeroray.train.report import RankStats
 from zeroray.train.worker.context import ReportCallback, Session
 
 logger = logging.getLogger(__name__)
@@ -262,8 +262,7 @@ class RecoveryPointCallback(ReportCallback):
 
     def after_report(self, metrics: dict[str, Any], stats: RankStats, num_reports: int) -> None:
         session = self.session
-        gathered = session.report_comm.all_gather_object((session.resize_to, stats))
-        asked = [size for size, _ in gathered if size is not None]
+        asked = [size for size in session.report_comm.all_gather_object(session.resize_to) if size is not None]
         if not asked:
             return
         engine = session.engine
@@ -271,9 +270,6 @@ class RecoveryPointCallback(ReportCallback):
         if engine is not None:
             step = int(engine.global_step)
             choice = self._recovery_point(step, asked[0])
-        if session.context.get_world_rank() == 0:  # the report this exchange ended: zt.report queues it after us
-            ranks = tuple(s for _, s in gathered)
-            session.reports.put(Report(index=num_reports, time=time.time(), metrics=metrics, ranks=ranks))
         raise RecoveryPointReached(step, choice)
 
     def _recovery_point(self, step: int, resize_to: int) -> RecoveryChoice:

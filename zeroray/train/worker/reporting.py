@@ -158,16 +158,19 @@ def report(metrics: dict[str, Any], checkpoint: bool = False) -> None:
         stats = dataclasses.replace(stats, snapshot_s=seconds, snapshot_bytes=nbytes)
     session.num_reports += 1
     session.waiting_in = None
-    for callback in session.report_callbacks:
-        callback.after_report(plain, stats, session.num_reports)
-    ranks = tuple(g["stats"] for g in gathered)
-    agreed = preemption.agreed(gathered)
-    if agreed is not None:  # a preemption notice: the recovery point that fits its deadline, then the loop ends
-        preemption.take_recovery_point(session, *agreed, plain, ranks, session.num_reports)
     # Every rank queues the group's report (rank 0's metrics): the driver takes rank 0's, and another rank's when
-    # rank 0 died before handing its last ones over (WorkerGroup.last_reports).
-    session.reports.put(Report(index=session.num_reports, time=time.time(), metrics=gathered[0]["metrics"],
-                               ranks=ranks))
+    # rank 0 died before handing its last ones over (WorkerGroup.last_reports). Queued however the report ends,
+    # at a recovery point (a resize's or a preemption's, which end the loop) too: its step is complete.
+    queued = Report(index=session.num_reports, time=time.time(), metrics=gathered[0]["metrics"],
+                    ranks=tuple(g["stats"] for g in gathered))
+    try:
+        for callback in session.report_callbacks:
+            callback.after_report(plain, stats, session.num_reports)
+        agreed = preemption.agreed(gathered)
+        if agreed is not None:  # a preemption notice: the recovery point that fits its deadline, then the loop ends
+            preemption.take_recovery_point(session, *agreed)
+    finally:
+        session.reports.put(queued)
 
 
 def finish(session: Session) -> None:
