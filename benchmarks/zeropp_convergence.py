@@ -93,6 +93,13 @@ MODES: dict[str, dict[str, Any]] = {
     # backward computes with the weights forward used (as qwZ's default form does without hpZ)
     "hpZ+qwZ+qgZ int8": {"_hpz": RANKS_PER_NODE, "weights": True, "gradients": True, "gradient_bits": 8,
                          "intra_node_gradients": True},
+    # stochastic rounding of qwZ's codes (quantize.weight_rounding), and of qgZ's too (gradient_rounding)
+    "qwZ (int8 backward) SR": {"weights": True, "weight_rounding": "stochastic"},
+    "qwZ+qgZ int8 (int8 backward) SR": {"weights": True, "gradients": True, "gradient_bits": 8, "intra_node_gradients": True,
+                                        "weight_rounding": "stochastic"},
+    "qwZ+qgZ int8 (int8 backward) SR both": {"weights": True, "gradients": True, "gradient_bits": 8,
+                                             "intra_node_gradients": True, "weight_rounding": "stochastic",
+                                             "gradient_rounding": "stochastic"},
     # qwZ's weights with 4x the scales (0.6% error per element at block 64 against 0.7% at 256)
     "qwZ block 64": {"weights": True, "exact_backward_weights": True, "block_size": 64},
     # A control, not a ZeRO++ mode: the baseline with every initial weight scaled by (1 + 1e-6 x N(0, 1)) (about
@@ -134,7 +141,7 @@ def _weight_errors(engine: Any) -> dict[str, Any]:
             exact = torch.empty(g.padded, dtype=g.shard.dtype)
             quant = torch.empty(g.padded, dtype=g.shard.dtype)
             g.comm.all_gather(exact, g.shard, async_op=True).wait()
-            qwz.all_gather(g.comm, quant, g.shard).wait()
+            qwz.all_gather(g.comm, quant, g.shard, g.name).wait()
             err = (quant - exact)[: g.numel]
             ref = exact[: g.numel]
             e, r = _rel(err, ref)
@@ -162,10 +169,10 @@ class GradTap:
         self.buffers: list[Any] = []
         original = self.qgz.reduce_scatter
 
-        def tapped(out: Any, full: Any) -> Any:
+        def tapped(out: Any, full: Any, key: str) -> Any:
             if self.armed:
-                self.buffers.append((out.numel(), full.detach().clone()))
-            return original(out, full)
+                self.buffers.append((out.numel(), full.detach().clone(), key))
+            return original(out, full, key)
 
         self.qgz.reduce_scatter = tapped
         self.original = original
@@ -186,13 +193,13 @@ class GradTap:
         sums = {name: {"all": [0.0, 0.0], "largest": [0.0, 0.0]} for name in variants}
         largest = max(range(len(self.buffers)), key=lambda i: self.buffers[i][0])
         rank = q.comm.rank
-        for i, (s, full) in enumerate(self.buffers):
+        for i, (s, full, group) in enumerate(self.buffers):
             exact = full.to(torch.float32).clone()
             dist.all_reduce(exact, group=q.comm.group)
             exact = exact.view(q.comm.world_size, s)[rank]
             for name, red in variants.items():
                 out = torch.empty(s, dtype=full.dtype)
-                (self.original if red is None else red.reduce_scatter)(out, full.clone()).wait()
+                (self.original if red is None else red.reduce_scatter)(out, full.clone(), group).wait()
                 e, r = _rel(out.float() - exact, exact)
                 for key in ("all",) + (("largest",) if i == largest else ()):
                     sums[name][key][0] += e
@@ -482,6 +489,7 @@ def _across_seeds(runs: dict[str, Any], summary: dict[str, Any], steps: int, fro
         out["modes"][mode] = {"seeds": seeds, "final_mean": final(curve), "final_rel": (final(curve) - final(base)) / final(base),
                               "per_seed_final_rel": per_seed, "final_rel_se": _std(per_seed) / math.sqrt(len(seeds)),
                               "max_gap": after[i], "max_gap_step": from_step + i, "max_gap_se": se[from_step + i],
+                              "steps_ahead": steps_ahead(moving_average(curve, SMOOTH), base_ma, from_step + i),
                               "beyond_2se": sum(abs(g) > 2 * e for g, e in zip(gaps[from_step:], se[from_step:])),
                               "gaps": gaps, "smoothed": moving_average(curve, SMOOTH)}
     return out
@@ -683,6 +691,20 @@ def report(payload: dict[str, Any], out: Path = OUT) -> str:
     return "\n".join(lines)
 
 
+def steps_ahead(curve: list[float], base: list[float], t: int, reach: int = 60) -> float:
+    """How many steps ``curve`` runs ahead of ``base`` at step ``t`` (behind when negative): the fractional step
+    nearest ``t`` (within ``reach``) at which ``base`` passes ``curve[t]``, minus ``t``; nan where it does not. A
+    gap where the loss falls fast can be a small shift in time: this says which."""
+    v, best = curve[t], float("nan")
+    for u in range(max(0, t - reach), min(len(base) - 1, t + reach)):
+        a, b = base[u], base[u + 1]
+        if a != b and (a - v) * (b - v) <= 0:
+            cross = u + (a - v) / (a - b)
+            if math.isnan(best) or abs(cross - t) < abs(best - t):
+                best = cross
+    return best - t
+
+
 def _std(xs: list[float]) -> float:
     """The sample standard deviation (0 for fewer than 2 values)."""
     if len(xs) < 2:
@@ -704,9 +726,12 @@ def _seeds_report(ana: dict[str, Any]) -> list[str]:
              "", "± is the standard error over the seeds (of the per-seed final gaps, and of the per-seed smoothed gaps "
              "at that step); 'steps beyond 2 SE' counts the steps after the warm-up where the means' gap is more than "
              "twice its standard error from 0.", "",
+             "'ahead' is that gap as a shift in time: how many steps earlier (ahead) or later (behind, negative) the "
+             "baseline's smoothed mean reaches the mode's value at that step.", "",
              f"| mode | seeds | final loss, mean over seeds (last {LAST}) | vs baseline | each seed vs its own baseline "
-             f"| max smoothed gap of the means, from step {ana['from_step']} (step) | steps beyond 2 SE | goal |",
-             "|---|---|---|---|---|---|---|---|"]
+             f"| max smoothed gap of the means, from step {ana['from_step']} (step) | ahead there (steps) "
+             "| steps beyond 2 SE | goal |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for mode, m in seeds["modes"].items():
         base = mode == "baseline"
         ok = abs(m["final_rel"]) <= 0.01 and abs(m["max_gap"]) <= 0.02
@@ -714,6 +739,7 @@ def _seeds_report(ana: dict[str, Any]) -> list[str]:
                      f"{'' if base else '± ' + _pct(m['final_rel_se']).lstrip('+')} | "
                      f"{'' if base else ', '.join(_pct(x) for x in m['per_seed_final_rel'])} | "
                      f"{'' if base else _pct(m['max_gap']) + ' ± ' + _pct(m['max_gap_se']).lstrip('+') + ' (' + str(m['max_gap_step']) + ')'} | "
+                     f"{'' if base else format(m['steps_ahead'], '+.1f')} | "
                      f"{'' if base else m['beyond_2se']} | "
                      f"{'' if base else 'meets it' if ok else 'MISSES it'} |")
     return lines

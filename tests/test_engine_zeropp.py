@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import zeroray
+import zeroray.checkpoint as zc
 from tests.support.dist import run_ranks
 from tests.support.models import TinyLM, batches
 from tests.support.recipe import GAS, OPT_STEPS, config, optimizer, train
@@ -23,6 +24,7 @@ from zeroray.config.load import load_config
 from zeroray.engine.quantize import BlockQuantizer
 
 NODES = ["node-0", "node-0", "node-1", "node-1"]
+SR = {"weight_rounding": "stochastic", "gradient_rounding": "stochastic"}
 
 
 def _grad_shards(engine: zeroray.ZeroEngine, data: list) -> list[torch.Tensor]:
@@ -74,6 +76,8 @@ CASES = [
     {"quantize": {"weights": True, "gradients": True}, "hpz_partition_size": 2},  # 8: case 4 again
     {"quantize": {"gradients": True, "intra_node_gradients": False}},  # 9: qgZ int8, fp32 inside the node
     {"quantize": {"weights": True, "exact_backward_weights": True}},  # 10: qwZ, the backward gathering fp32
+    {"quantize": {"weights": True, "gradients": True, **SR}, "hpz_partition_size": 2},  # 11: case 4, stochastic
+    {"quantize": {"weights": True, "gradients": True, **SR}, "hpz_partition_size": 2},  # 12: case 11 again
 ]
 
 
@@ -85,7 +89,7 @@ def runs() -> list[list[dict]]:
 def test_reduced_gradients_are_within_the_code_of_the_exact_ones(runs: list[list[dict]]) -> None:
     for rank in runs:
         base, base2 = rank[0]["shards"], rank[5]["shards"]
-        for i, bound in ((1, 0.05), (2, 0.02), (3, 0.3), (4, 0.05)):
+        for i, bound in ((1, 0.05), (2, 0.02), (3, 0.3), (4, 0.05), (11, 0.1)):
             for got, want in zip(rank[i]["shards"], base, strict=True):
                 assert _rel(got, want) < bound, (i, _rel(got, want))
         assert max(_rel(g, w) for g, w in zip(rank[2]["shards"], base)) > 0  # it did quantize
@@ -99,12 +103,15 @@ def test_reduced_gradients_are_within_the_code_of_the_exact_ones(runs: list[list
 def test_losses_stay_close_to_the_unquantized_run_and_repeat_exactly(runs: list[list[dict]]) -> None:
     for rank in runs:
         base = rank[0]["losses"]
-        for i in (1, 2, 3, 4, 7, 9, 10):
+        for i in (1, 2, 3, 4, 7, 9, 10, 11):
             assert max(abs(a - b) / b for a, b in zip(rank[i]["losses"], base)) < 0.02, i
-        assert rank[4]["losses"] == rank[8]["losses"]  # a fixed seed: the same losses run to run
-        assert rank[4]["state"].keys() == rank[8]["state"].keys()
-        for name, t in rank[4]["state"].items():
-            assert torch.equal(t, rank[8]["state"][name]), name
+        for i, again in ((4, 8), (11, 12)):  # a fixed seed: the same losses run to run, stochastic rounding's too
+            assert rank[i]["losses"] == rank[again]["losses"], i
+            assert rank[i]["state"].keys() == rank[again]["state"].keys()
+            for name, t in rank[i]["state"].items():
+                assert torch.equal(t, rank[again]["state"][name]), (i, name)
+        assert rank[11]["losses"] != rank[4]["losses"]  # it rounds otherwise ...
+        assert rank[11]["bytes"] == rank[4]["bytes"]  # ... and moves the same bytes
 
 
 def test_quantized_collectives_keep_their_buffers_for_the_next_step(runs: list[list[dict]]) -> None:
@@ -112,7 +119,7 @@ def test_quantized_collectives_keep_their_buffers_for_the_next_step(runs: list[l
     pages cost more than quantizing on CPU); an unquantized run has none."""
     for rank in runs:
         assert rank[0]["cached"] == rank[5]["cached"] == 0
-        assert all(rank[i]["cached"] > 0 for i in (1, 2, 3, 4, 6, 7, 8, 9, 10))
+        assert all(rank[i]["cached"] > 0 for i in (1, 2, 3, 4, 6, 7, 8, 9, 10, 11))
 
 
 def test_bytes_by_link_class_equal_the_formulas(runs: list[list[dict]]) -> None:
@@ -165,14 +172,14 @@ def _params(m: torch.nn.Module) -> dict:
     return {n: p.detach().clone() for n, p in m.named_parameters()}
 
 
-def _weights_used(rank: int, exact_backward: bool) -> dict:
+def _weights_used(rank: int, exact_backward: bool, rounding: str = "nearest") -> dict:
     """qwZ at the first step: the weights a unit's forward and backward compute with, and what
     gathered_parameters (full precision) gives."""
     torch.manual_seed(0)
     model = TinyLM()
     blk = model.h[0]
     exact = _params(blk)
-    quantize = {"weights": True, "exact_backward_weights": exact_backward}
+    quantize = {"weights": True, "exact_backward_weights": exact_backward, "weight_rounding": rounding}
     engine = zeroray.initialize(model, optimizer(model), config(3, "fp32", quantize=quantize))
     seen, back = {}, {}
 
@@ -193,16 +200,21 @@ def _weights_used(rank: int, exact_backward: bool) -> dict:
 
 
 def _forward_weights(rank: int, world: int) -> list[dict]:
-    """By default, then with exact_backward_weights."""
-    return [_weights_used(rank, exact_backward) for exact_backward in (False, True)]
+    """By default, with exact_backward_weights, and rounded stochastically."""
+    return [_weights_used(rank, False), _weights_used(rank, True), _weights_used(rank, False, "stochastic")]
 
 
 def test_forward_and_backward_compute_with_the_same_dequantized_weights_and_the_shards_stay_exact() -> None:
     res = run_ranks(_forward_weights, 2)
-    for r, r_exact_backward in res:
+    for r, r_exact_backward, r_stochastic in res:
         # A block of 256 values may span several parameters of the unit: half a step of the largest is the bound.
         half_step = max(float(w.abs().max()) for w in r["exact"].values()) / 254 * (1 + 1e-6)
         for name, w in r["exact"].items():
+            # rounded stochastically: within a step, the backward on the forward's weights, every rank alike
+            s = r_stochastic["seen"][name]
+            assert float((s - w).abs().max()) <= 2 * half_step, name
+            assert torch.equal(r_stochastic["back"][name], s), name
+            assert torch.equal(s, res[0][2]["seen"][name]), name
             assert torch.equal(r["after"][name], w), name  # no step yet: the shards are the exact values
             assert torch.equal(r["seen"][name], res[0][0]["seen"][name])  # every rank computes with the same weights
             assert float((r["seen"][name] - w).abs().max()) <= half_step, name
@@ -211,6 +223,32 @@ def test_forward_and_backward_compute_with_the_same_dequantized_weights_and_the_
             assert torch.equal(r_exact_backward["seen"][name], r["seen"][name]), name
             assert torch.equal(r_exact_backward["back"][name], w), name
         assert any(not torch.equal(r["seen"][n], w) for n, w in r["exact"].items())
+        assert any(not torch.equal(r_stochastic["seen"][n], r["seen"][n]) for n in r["exact"])
+
+
+def _resume(rank: int, world: int, url: str) -> tuple[list[float], list[float]]:
+    """Stochastic rounding: the losses after a checkpoint, run on, and in a fresh engine loaded from it."""
+    data = batches(rank, GAS * (OPT_STEPS + 1))
+    cfg = config(3, "fp32", quantize={"weights": True, "gradients": True, **SR})
+    losses = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        model = TinyLM()
+        engine = zeroray.initialize(model, optimizer(model), cfg, nodes=NODES)
+        if seed == 0:
+            train(engine, data[: GAS * OPT_STEPS])
+            zc.save(engine, url)
+        else:
+            zc.load(engine, url)
+        losses.append(train(engine, data[GAS * OPT_STEPS :]))
+        engine.close()
+    return losses[0], losses[1]
+
+
+def test_stochastic_rounding_resumes_with_the_draws_of_an_uninterrupted_run(tmp_path) -> None:
+    """The draws follow the micro-step the checkpoint saves: a resumed run rounds as the uninterrupted one."""
+    for ran_on, resumed in run_ranks(_resume, 4, str(tmp_path / "ckpt")):
+        assert ran_on == resumed
 
 
 def _fp16_overflow(rank: int, world: int) -> list[list[int]]:
@@ -254,11 +292,18 @@ def test_bad_quantize_settings_fail_before_any_work() -> None:
         ZeroConfig(stage=3, quantize={"gradients": True, "intra_node_gradients": "no"})
     with pytest.raises(ConfigError, match="quantize.exact_backward_weights: must be true or false, got 1"):
         ZeroConfig(stage=3, quantize={"weights": True, "exact_backward_weights": 1})
+    with pytest.raises(ConfigError, match="quantize.weight_rounding: must be 'nearest' or 'stochastic', got 'up'"):
+        ZeroConfig(stage=3, quantize={"weights": True, "weight_rounding": "up"})
+    with pytest.raises(ConfigError, match="quantize.gradient_rounding: must be 'nearest' or 'stochastic', got True"):
+        ZeroConfig(stage=3, quantize={"gradients": True, "gradient_rounding": True})
     cfg = load_config({"zero_optimization": {"stage": 3, "zero_quantized_weights": True, "zero_quantized_gradients": True,
                                              "zeroray_quantize_gradient_bits": 4,
                                              "zeroray_quantize_intra_node_gradients": False,
-                                             "zeroray_quantize_exact_backward_weights": True}})
+                                             "zeroray_quantize_exact_backward_weights": True,
+                                             "zeroray_quantize_weight_rounding": "stochastic",
+                                             "zeroray_quantize_gradient_rounding": "stochastic"}})
     assert (cfg.quantize.weights, cfg.quantize.gradients, cfg.quantize.gradient_bits) == (True, True, 4)
     assert cfg.quantize.intra_node_gradients is False and cfg.quantize.exact_backward_weights is True
+    assert cfg.quantize.weight_rounding == cfg.quantize.gradient_rounding == "stochastic"
     with pytest.raises(ValueError, match="DeepSpeed config key 'zero_optimization.zero_quantized_gradients': qgZ"):
         load_config({"zero_optimization": {"stage": 1, "zero_quantized_gradients": True}})

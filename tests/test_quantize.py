@@ -16,6 +16,7 @@ from tests.support.dist import run_ranks
 from zeroray.config import CommConfig
 from zeroray.engine.quantize import BlockQuantizer, QuantizeKernels
 from zeroray.engine.quantized_comm import QuantizedGather, QuantizedReduceScatter
+from zeroray.engine.rounding import Draws
 from zeroray.engine.scratch import ScratchPool
 from zeroray.engine.topology import Topology, _node_runs
 
@@ -156,11 +157,11 @@ def _collectives(rank: int, world: int, bits: int) -> dict:
                                                       quantize_node=False))):
         topo.reset()
         reduced = torch.empty(S)
-        rs.reduce_scatter(reduced, full.clone()).wait()
+        rs.reduce_scatter(reduced, full.clone(), "g").wait()
         out[name] = (reduced, topo.report(by_scope=True))
     topo.reset()
     gathered = torch.empty(N * S, dtype=torch.bfloat16)
-    QuantizedGather(BLOCK).all_gather(topo.shard, gathered, shard.to(torch.bfloat16)).wait()
+    QuantizedGather(BLOCK).all_gather(topo.shard, gathered, shard.to(torch.bfloat16), "g").wait()
     out["gather"] = (gathered, topo.report(by_scope=True))
     out["exact"] = torch.stack([_inputs(r)[0].view(N, S)[rank] for r in range(N)]).sum(0)
     topo.close()
@@ -192,6 +193,39 @@ def test_quantized_reduce_scatter_and_gather_equal_the_quantizer_by_hand(bits: i
         want = torch.cat([q8.dequantize(q8.quantize(_inputs(s)[1].to(torch.bfloat16).view(1, S)), S)[0] for s in range(N)])
         assert torch.equal(r["gather"][0], want.to(torch.bfloat16))  # every rank, its own shard too
         assert r["gather"][1] == {"inter_node:all_gather_int8": N * q8.row_bytes(S)}
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_stochastic_rounding_is_unbiased_and_within_one_step(bits: int) -> None:
+    """Rounded with uniform noise, each code is the one below or above value / scale, and over many draws
+    the mean of the dequantized values is the value itself, where rounding to nearest keeps its error."""
+    q = BlockQuantizer(bits, 64)
+    x = torch.randn(2, 300, generator=torch.Generator().manual_seed(3)) * 0.02
+    blocks = _padded_blocks(x, q)
+    step = blocks.abs().amax(-1, keepdim=True) / q.qmax
+    nearest = q.dequantize(q.quantize(x), 300)
+    gen, total, draws = torch.Generator().manual_seed(4), torch.zeros(2, 300), 4000
+    for _ in range(draws):
+        y = q.dequantize(q.quantize(x, noise=torch.rand(2, q.blocks(300) * 64, generator=gen)), 300)
+        assert bool(((_padded_blocks(y, q) - blocks).abs() <= step * (1 + 1e-6)).all())
+        total += y
+    bias, rtn = float((total / draws - x).abs().mean()), float((nearest - x).abs().mean())
+    assert bias < rtn / 5, (bias, rtn)
+    # noise 0 rounds down, noise just below 1 rounds up: the codes bracket value / scale
+    down = q.dequantize(q.quantize(x, noise=torch.zeros(2, q.blocks(300) * 64)), 300)
+    up = q.dequantize(q.quantize(x, noise=torch.full((2, q.blocks(300) * 64), 1 - 2**-24)), 300)
+    assert bool((down <= x).all()) and bool((up >= x).all()) and not torch.equal(down, up)
+
+
+def test_draws_are_a_function_of_the_key_and_the_micro_batch() -> None:
+    draws, pool, cpu = Draws(), ScratchPool(), torch.device("cpu")
+    a = draws.uniform("0/h.0", 512, cpu, pool).clone()
+    assert a.shape == (1, 512) and float(a.min()) >= 0 and float(a.max()) < 1
+    assert torch.equal(draws.uniform("0/h.0", 512, cpu, pool), a)  # the backward's gather: the forward's draws
+    assert not torch.equal(draws.uniform("1/h.0", 512, cpu, pool), a)  # another rank
+    assert not torch.equal(draws.uniform("0/h.1", 512, cpu, pool), a)  # another group
+    draws.micro_batch += 1
+    assert not torch.equal(draws.uniform("0/h.0", 512, cpu, pool), a)  # the next micro-batch
 
 
 def test_scratch_pool_hands_back_the_memory_it_was_given() -> None:

@@ -178,6 +178,12 @@ TABLE: dict[str, Entry] = {
     "zero_optimization.zeroray_quantize_exact_backward_weights": Field(
         "quantize.exact_backward_weights", note="zeroray's own: True gathers the backward's weights in full precision under qwZ"
     ),
+    "zero_optimization.zeroray_quantize_weight_rounding": Field(
+        "quantize.weight_rounding", note="zeroray's own: 'nearest' (DeepSpeed's) or 'stochastic' rounding of qwZ's codes"
+    ),
+    "zero_optimization.zeroray_quantize_gradient_rounding": Field(
+        "quantize.gradient_rounding", note="zeroray's own: 'nearest' (DeepSpeed's) or 'stochastic' rounding of qgZ's codes"
+    ),
     "zero_optimization.zeroray_quantize_intra_node_gradients": Field(
         "quantize.intra_node_gradients", note="zeroray's own: False sends qgZ's stage inside the node in fp32 (the default on CPU), True quantizes it"
     ),

@@ -261,7 +261,8 @@ class QuantizeConfig:
     only the node's sum, once, before it crosses nodes (False: a third of the quantizing work and one rounding
     instead of two, for 4x the bytes on the node's own links). None (the default) picks by device: False on
     CPU, where quantizing costs more than the node's links save (docs/multi-node.md), True on CUDA. Masters and
-    optimizer states stay full precision."""
+    optimizer states stay full precision. ``weight_rounding`` / ``gradient_rounding``: how codes are rounded,
+    ``"nearest"`` (DeepSpeed's) or ``"stochastic"`` (unbiased, from seeded draws: zeroray.engine.rounding)."""
 
     weights: bool = False
     gradients: bool = False
@@ -269,6 +270,8 @@ class QuantizeConfig:
     gradient_bits: int = 8
     intra_node_gradients: bool | None = None
     exact_backward_weights: bool = False
+    weight_rounding: str = "nearest"
+    gradient_rounding: str = "nearest"
 
     def problems(self, stage: Any) -> Problems:
         yield from _flag("quantize.weights", self.weights)
@@ -280,6 +283,9 @@ class QuantizeConfig:
             yield "quantize.block_size", f"must be a power of two from 8 to 65536 (values per scale), got {b!r}"
         if self.gradient_bits not in (4, 8) or isinstance(self.gradient_bits, bool):
             yield "quantize.gradient_bits", f"must be 4 or 8, got {self.gradient_bits!r}"
+        for name in ("weight_rounding", "gradient_rounding"):
+            if getattr(self, name) not in ("nearest", "stochastic"):
+                yield f"quantize.{name}", f"must be 'nearest' or 'stochastic', got {getattr(self, name)!r}"
         if self.weights is True and stage != 3:
             yield "quantize.weights", (
                 f"qwZ quantizes stage 3's parameter gathers; it needs stage 3, got stage {stage!r}"

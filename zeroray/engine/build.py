@@ -40,6 +40,7 @@ from zeroray.engine.param_guard import ParamGuard
 from zeroray.engine.phase_timer import PhaseTimer
 from zeroray.engine.quantized_comm import QuantizedGather, QuantizedReduceScatter
 from zeroray.engine.reducer import GradReducer
+from zeroray.engine.rounding import Draws
 from zeroray.engine.schedule import UnitScheduler
 from zeroray.engine.sharded_optim import (
     OptimizerArg,
@@ -95,6 +96,7 @@ class EngineParts:
     # gradient), the same on every rank: a checkpoint keeps the counts that differ within a param group.
     param_steps: dict[FlatGroup, list[int]]
     setup_comm: dict[str, int]  # bytes set-up moved, by collective kind
+    draws: Draws  # stochastic rounding's (quantize.*_rounding), keyed by the micro-batch the engine counts
 
 
 def build_engine(
@@ -154,6 +156,7 @@ def build_engine(
                               node_levels=config.quantize.gradients)
     comm = topology.world
     loss_scaler = LossScaler(config)
+    draws = Draws()  # the quantized collectives' stochastic rounding; the engine counts its micro-batches
     phases = PhaseTimer(device)
     host_device = torch.device("cpu")
     # Where the fp32 masters live: the device, host memory (CPU offload) or files (NVMe, None).
@@ -166,7 +169,7 @@ def build_engine(
 
     # ---- layout (stages 0-2: a meta model is first materialized whole, the same on every rank)
     units, groups, unit_groups, gather_pool, gather_check = _lay_out(
-        model, config, topology, device, group_of, compute_dtype, reduce_dtype, meta_init, start
+        model, config, topology, device, group_of, compute_dtype, reduce_dtype, meta_init, start, draws
     )
     _sync_buffers(model, comm, meta, precision.buffer_dtype)
 
@@ -221,7 +224,7 @@ def build_engine(
         heap_trimmer=heap_trimmer, reducer=reducer, shared_grads=shared_grads,
         frozen=[(n, p) for g in groups if not g.trainable for n, p in zip(g.param_names, g.params)],
         param_steps={g: [0] * len(g.params) for g in groups if g.trainable},
-        setup_comm=setup_comm,
+        setup_comm=setup_comm, draws=draws,
     )
 
 
@@ -266,9 +269,11 @@ def _lay_out(
     reduce_dtype: torch.dtype,
     meta_init: MetaInit | None,
     start: Callable[[FlatGroup], None],
+    draws: Draws,
 ) -> tuple[list[tuple[str, nn.Module]], list[FlatGroup], dict[int | None, list[FlatGroup]], GatherPool, GatherCheck | None]:
     """The flat groups, each started (``start``) once its values are there: stage-3 units, the
-    groups by unit index (None: the root), the gather pool and check."""
+    groups by unit index (None: the root), the gather pool and check. ``draws``: the quantized collectives'
+    stochastic rounding, where the config asks for it."""
     sharding = config.sharding
     if meta_init is not None and not sharding.shards_params:
         meta_init.run(device, sink=lambda t: True)
@@ -283,12 +288,15 @@ def _lay_out(
     gather_check = GatherCheck(topology.shard) if sharding.shards_params else None
     quantize = config.quantize
     kernels = device.type == "cuda"  # the quantizer's ops compiled into fused kernels where that wins: CUDA
-    qwz = QuantizedGather(quantize.block_size, kernels, quantize.exact_backward_weights) if quantize.weights else None
-    qgz = None
+    qwz = qgz = None
+    if quantize.weights:
+        qwz = QuantizedGather(quantize.block_size, kernels, quantize.exact_backward_weights,
+                              draws=draws if quantize.weight_rounding == "stochastic" else None)
     if quantize.gradients:
         qgz = QuantizedReduceScatter(
             quantize.gradient_bits, quantize.block_size, topology.shard, topology.node, topology.cross, kernels,
             quantize_node=quantize.intra_node_gradients if quantize.intra_node_gradients is not None else device.type != "cpu",
+            draws=draws if quantize.gradient_rounding == "stochastic" else None,
         )
     unit_groups: dict[int | None, list[FlatGroup]] = {}
     pending: list[FlatGroup] = []  # stage 3: groups with meta parameters, installed once initialized

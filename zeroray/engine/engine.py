@@ -107,6 +107,7 @@ class ZeroEngine:
         self._frozen = parts.frozen
         self._param_steps = parts.param_steps
         self._setup_comm = parts.setup_comm
+        self._draws = parts.draws
         self._stateful: dict[str, Stateful] = {}  # small JSON state saved beside the engine's (register_stateful)
         self._loaded_stateful: dict[str, Any] = {}  # the last load's, for objects registered after it
         for m in model.modules():
@@ -183,6 +184,7 @@ class ZeroEngine:
         self._backward_since_step = False
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_step += 1
+        self._draws.micro_batch = self.micro_step + 1
         if not boundary:
             return
         self._phases.start("optimizer")
@@ -456,6 +458,7 @@ class ZeroEngine:
             steps = int(scalars[g.param_group].get("step", self.global_step))
             counts[:] = [uneven.get(name, steps) for name in g.param_names]
         self.micro_step = int(meta.get("micro_step", self.global_step * self.gradient_accumulation_steps))
+        self._draws.micro_batch = self.micro_step + 1
         self.skipped_steps = int(meta.get("skipped_steps", 0))
         if meta.get("loss_scaler"):
             self.loss_scaler.load_state_dict(meta["loss_scaler"])

@@ -304,7 +304,7 @@ class FlatGroup:
         else:  # an offloaded shard comes to the device first (on a CPU-only machine it is there already)
             shard = self.shard.to(self.device, non_blocking=True)
         if self.qwz is not None and self.qwz.quantizes(phase):
-            self._gather = self.qwz.all_gather(self.comm, self.full, shard)
+            self._gather = self.qwz.all_gather(self.comm, self.full, shard, self.name)
         else:
             self._gather = self.comm.all_gather(self.full, shard, async_op=True)
         self.state = ParamState.GATHERING
@@ -388,7 +388,7 @@ class FlatGroup:
             return h.then(lambda: self._average_into_shard(data[lo:hi], inv, own=False))
         out = torch.empty(self.shard_numel, dtype=data.dtype, device=data.device)
         if self.qgz is not None and not persistent:  # always async
-            return self._across_replicas(self.qgz.reduce_scatter(out, data), out).then(
+            return self._across_replicas(self.qgz.reduce_scatter(out, data, self.name), out).then(
                 lambda: self._average_into_shard(out, inv, own=True))
         h = self._across_replicas(comm.reduce_scatter(out, data, async_op=async_op), out)
         if persistent:

@@ -2,12 +2,14 @@
 
 A row of values is cut into blocks of ``block`` elements (the last one padded with zeros). Each block
 keeps one fp32 scale, its largest magnitude divided by the largest code (127 for int8, 7 for int4), and
-each element keeps the nearest integer code of value / scale (round half to even: no stochastic rounding,
-so a fixed input always gives the same codes). int4 codes are stored two a byte, offset by 8. A quantized
+each element keeps the nearest integer code of value / scale (round half to even), or, given ``noise`` (uniform
+in [0, 1), one value per element: zeroray.engine.rounding), the code below value / scale + noise (stochastic
+rounding: up with a probability equal to the fraction, so the expected code is value / scale). int4 codes are stored two a byte, offset by 8. A quantized
 row is one uint8 buffer, codes then scales, so one collective moves both:
 ``row_bytes(n) = ceil(n / block) * (block * bits / 8 + 4)``.
 
-Error: each element is within ``scale / 2 = max|block| / (2 * qmax)`` of its value.
+Error: each element is within ``scale / 2 = max|block| / (2 * qmax)`` of its value (within ``scale`` when
+rounded stochastically).
 Non-finite values: a block holding inf or nan gets a non-finite scale and dequantizes to non-finite values
 (0 x inf = nan), so the fp16 overflow check after a quantized reduction still sees the overflow.
 
@@ -53,10 +55,12 @@ class BlockQuantizer:
         """Bytes of one quantized row of ``n`` values: codes, then the scales."""
         return self.code_bytes(n) + self.blocks(n) * SCALE_BYTES
 
-    def quantize(self, x: torch.Tensor, out: torch.Tensor | None = None, work: torch.Tensor | None = None) -> torch.Tensor:
+    def quantize(self, x: torch.Tensor, out: torch.Tensor | None = None, work: torch.Tensor | None = None,
+                 noise: torch.Tensor | None = None) -> torch.Tensor:
         """Quantize each row of ``x`` (``(..., n)``, any float dtype and strides; R rows in all) into ``out``
         (uint8 ``(R, row_bytes(n))``, made when None); returns ``out``. ``work``: an fp32 ``(R, padded)``
-        buffer for the intermediate values (made when None)."""
+        buffer for the intermediate values (made when None). ``noise``: R x padded fp32 values in [0, 1) to
+        round stochastically with (None: to nearest)."""
         n = x.shape[-1]
         rows = x.numel() // n
         nb, padded, cb = self.blocks(n), self.blocks(n) * self.block, self.code_bytes(n)
@@ -77,7 +81,9 @@ class BlockQuantizer:
         scale = torch.maximum(blocks.amax(-1), blocks.amin(-1).neg()).to(torch.float32).abs_().div_(self.qmax)
         inv = torch.where(scale > 0, scale.reciprocal(), torch.zeros((), dtype=scale.dtype, device=scale.device))
         # In fp32 whatever x's dtype (type promotion), so the codes are those of x converted first.
-        codes = torch.mul(blocks, inv.unsqueeze(-1), out=work).round_().clamp_(-self.qmax, self.qmax).view(rows, padded)
+        codes = torch.mul(blocks, inv.unsqueeze(-1), out=work)
+        codes = codes.round_() if noise is None else codes.add_(noise.view_as(codes)).floor_()
+        codes = codes.clamp_(-self.qmax, self.qmax).view(rows, padded)
         if self.bits == 8:
             out[:, :cb].view(torch.int8).copy_(codes)
         else:  # two codes a byte: the first in the low nibble
@@ -133,15 +139,16 @@ class QuantizeKernels:
         """A buffer for a collective of these kernels' (give it back with :meth:`release` once it is done)."""
         return self.pool.take(shape, dtype, device)
 
-    def quantize(self, x: torch.Tensor) -> torch.Tensor:
-        """``x``'s rows quantized (``BlockQuantizer.quantize``), into a buffer to :meth:`release` once sent."""
+    def quantize(self, x: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
+        """``x``'s rows quantized (``BlockQuantizer.quantize``, rounded stochastically with ``noise`` when given),
+        into a buffer to :meth:`release` once sent."""
         if self.compiled:
-            return self._quantize(x)
+            return self._quantize(x, noise=noise)
         q, n = self.quantizer, x.shape[-1]
         rows = x.numel() // n
         out = self.pool.take((rows, q.row_bytes(n)), torch.uint8, x.device)
         work = self.pool.take((rows, q.blocks(n) * q.block), torch.float32, x.device)
-        self._quantize(x, out, work)
+        self._quantize(x, out, work, noise)
         self.pool.give(work)
         return out
 

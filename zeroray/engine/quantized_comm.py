@@ -8,6 +8,8 @@
   ``exact_backward`` the backward gathers the full-precision weights instead, and its gradients then belong to
   weights other than those of the forward that made the activations (the convergence study measured that form
   lagging: benchmarks/results/zeropp/convergence.md). The master and the sharded states stay full precision.
+  With ``draws`` the codes are rounded stochastically (zeroray.engine.rounding), the forward's and the
+  backward's from the same draws, so the backward still computes with the forward's weights.
 - **qgZ** (:class:`QuantizedReduceScatter`): the gradient reduce-scatter becomes an all-to-all of quantized
   rows: row r of each rank's gradient buffer goes to rank r, which dequantizes the rows it received and sums
   them in fp32. When the shard group spans nodes with the same number m of ranks on each, in node-major
@@ -17,7 +19,8 @@
   crosses the node's link per rank, quantized. With ``quantize_node=False`` the stage inside the node moves
   the full-precision rows instead, and only the node's fp32 sum is quantized, once, before it crosses: a
   third of the quantize and dequantize work and one rounding instead of two, for 4x (fp32) the bytes on
-  the node's own links, which is the better trade where those are fast and the cores are few.
+  the node's own links, which is the better trade where those are fast and the cores are few. With
+  ``draws`` every quantization of it is rounded stochastically.
 
 Byte counts (``comm_report``), B = ``BlockQuantizer.row_bytes``, S the shard's elements, N the group size:
 qwZ counts ``all_gather_int8`` = N x B(S) a gather; qgZ counts ``all_to_all_int<bits>`` = N x B(S) in one level, or
@@ -33,6 +36,7 @@ import torch
 
 from zeroray.engine.comm import Chain, Comm, Handle
 from zeroray.engine.quantize import BlockQuantizer, QuantizeKernels
+from zeroray.engine.rounding import Draws
 
 WEIGHT_BITS = 8
 Phase = Literal["forward", "backward"]  # which of a step's gathers (None: an exact gather, outside the step)
@@ -41,20 +45,21 @@ Phase = Literal["forward", "backward"]  # which of a step's gathers (None: an ex
 class QuantizedGather:
     """qwZ: a block-wise int8 all-gather of a flat group's shards into its full buffer."""
 
-    def __init__(self, block: int, compiled: bool = False, exact_backward: bool = False):
+    def __init__(self, block: int, compiled: bool = False, exact_backward: bool = False, draws: Draws | None = None):
         self.quantizer = QuantizeKernels(BlockQuantizer(WEIGHT_BITS, block), compiled)
         self.kind = f"all_gather_int{WEIGHT_BITS}"
         self.exact_backward = exact_backward
+        self.draws = draws  # stochastic rounding; None: to nearest
 
     def quantizes(self, phase: Phase | None) -> bool:
         """Whether a gather for ``phase`` goes through this quantized gather (else full precision)."""
         return phase == "forward" or (phase == "backward" and not self.exact_backward)
 
-    def all_gather(self, comm: Comm, full: torch.Tensor, shard: torch.Tensor) -> Handle:
+    def all_gather(self, comm: Comm, full: torch.Tensor, shard: torch.Tensor, key: str) -> Handle:
         """Issue the gather of every rank's ``shard`` into ``full`` (``world x shard`` elements, compute dtype);
-        the values land, dequantized, when the handle is waited."""
+        the values land, dequantized, when the handle is waited. ``key``: the flat group's name (the draws')."""
         q, world, s = self.quantizer, comm.world_size, shard.numel()
-        send = q.quantize(shard.view(1, s))
+        send = _quantize(q, shard.view(1, s), self.draws, f"{comm.rank}/{key}")
         recv = q.empty((world, send.shape[1]), torch.uint8, send.device)
         handle = comm.all_gather(recv.view(-1), send.view(-1), async_op=True, kind=self.kind)
 
@@ -74,7 +79,7 @@ class QuantizedReduceScatter:
 
     def __init__(
         self, bits: int, block: int, comm: Comm, node: Comm | None = None, cross: Comm | None = None,
-        compiled: bool = False, quantize_node: bool = True,
+        compiled: bool = False, quantize_node: bool = True, draws: Draws | None = None,
     ):
         if (node is None) != (cross is None) or (node is not None and node.world_size * cross.world_size != comm.world_size):
             raise ValueError("a hierarchical qgZ needs a node and a cross-node group whose sizes multiply to the group's")
@@ -82,28 +87,31 @@ class QuantizedReduceScatter:
         self.kind = f"all_to_all_int{bits}"
         self.comm, self.node, self.cross = comm, node, cross
         self.quantize_node = quantize_node
+        self.draws = draws  # stochastic rounding; None: to nearest
 
     @property
     def hierarchical(self) -> bool:
         return self.cross is not None
 
-    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor) -> Handle:
+    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, key: str) -> Handle:
         """Issue the reduction of ``full`` (``world x S`` elements) into ``out`` (S elements, this rank's part
-        of the sum, written when the handle is waited)."""
+        of the sum, written when the handle is waited). ``key``: the flat group's name (the draws')."""
         if self.cross is None:
-            return self._exchange(self.comm, full.view(self.comm.world_size, -1), out)
+            return self._exchange(self.comm, full.view(self.comm.world_size, -1), out, f"{key}/grad")
         m, n, s = self.node.world_size, self.cross.world_size, out.numel()
         # Inside the node: to the peer at place l go the rows of ranks j*m + l, for every node j.
         partial = self.quantizer.empty((n, s), torch.float32, out.device)
         rows = full.view(n, m, s).transpose(0, 1)
-        inner = self._exchange(self.node, rows, partial) if self.quantize_node else self._exact(self.node, rows, partial)
-        return Chain(inner, lambda: self._exchange(self.cross, partial, out).then(lambda: self.quantizer.release(partial)))
+        inner = (self._exchange(self.node, rows, partial, f"{key}/grad-node") if self.quantize_node
+                 else self._exact(self.node, rows, partial))
+        return Chain(inner, lambda: self._exchange(self.cross, partial, out, f"{key}/grad-cross").then(
+            lambda: self.quantizer.release(partial)))
 
-    def _exchange(self, comm: Comm, rows: torch.Tensor, out: torch.Tensor) -> Handle:
+    def _exchange(self, comm: Comm, rows: torch.Tensor, out: torch.Tensor, key: str) -> Handle:
         """Send quantized ``rows`` (``(world, ..., S)``: the first index is the destination) and sum, in fp32, the
         rows received into ``out`` (``(..., S)``)."""
         q, s = self.quantizer, out.shape[-1]
-        send = q.quantize(rows)
+        send = _quantize(q, rows, self.draws, f"{comm.rank}/{key}")
         recv = q.empty(tuple(send.shape), torch.uint8, send.device)
         handle = comm.all_to_all(recv.view(-1), send.view(-1), self.kind, async_op=True)
         world = comm.world_size
@@ -127,6 +135,17 @@ class QuantizedReduceScatter:
             q.release(send, recv)
 
         return handle.then(land)
+
+
+def _quantize(q: QuantizeKernels, rows: torch.Tensor, draws: Draws | None, key: str) -> torch.Tensor:
+    """``rows`` quantized by ``q``, rounded stochastically with ``draws``' noise for ``key`` when given."""
+    if draws is None:
+        return q.quantize(rows)
+    n = rows.shape[-1]
+    noise = draws.uniform(key, rows.numel() // n * q.quantizer.blocks(n) * q.quantizer.block, rows.device, q.pool)
+    send = q.quantize(rows, noise)
+    q.release(noise)
+    return send
 
 
 def _sum_rows(values: torch.Tensor, out: torch.Tensor) -> None:
