@@ -39,6 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.gpu_offload_bench import _wall as timed  # noqa: E402  (median seconds after a warm-up)
 from zeroray.engine.quantize import BlockQuantizer  # noqa: E402
+from zeroray.engine.rounding import Draws  # noqa: E402
+from zeroray.engine.scratch import ScratchPool  # noqa: E402
 from zeroray.models.gpt import GPT, GPTConfig  # noqa: E402
 
 BLOCKS = (64, 128, 256, 512, 1024, 2048)
@@ -51,9 +53,11 @@ ZPP_RESULTS = OUT.with_name("results.md")
 ZPP_MODES = ("zeroray ZeRO++ (hpZ + qwZ + qgZ int8)", "zeroray hpZ (h=2), stage 3")
 
 
-def throughput(numel: int, reps: int) -> list[tuple[int, str, int, int, float, float]]:
-    """(threads, dtype, bits, block, quantize GB/s, dequantize GB/s) of the full-precision input's bytes."""
+def throughput(numel: int, reps: int) -> list[tuple[int, str, int, int, str, float, float]]:
+    """(threads, dtype, bits, block, rounding, quantize GB/s, dequantize GB/s) of the full-precision input's
+    bytes. Stochastic rounding (at the default block) counts drawing its noise (rounding.Draws) into quantize."""
     rows = []
+    draws, pool = Draws(), ScratchPool()
     g = torch.Generator().manual_seed(0)
     x32 = torch.randn(WORLD, numel // WORLD, generator=g)
     inputs = {"fp32": x32, "bf16": x32.to(torch.bfloat16)}
@@ -68,11 +72,24 @@ def throughput(numel: int, reps: int) -> list[tuple[int, str, int, int, float, f
                     t_q = timed(lambda q=q, x=x, packed=packed: q.quantize(x, out=packed), reps)
                     t_d = timed(lambda q=q, packed=packed, n=n: q.dequantize(packed, n), reps)
                     gb = x.numel() * x.element_size() / 1e9
-                    rows.append((threads, dtype, bits, block, gb / t_q, gb / t_d))
+                    rows.append((threads, dtype, bits, block, "nearest", gb / t_q, gb / t_d))
+                    if dtype == "fp32" and block == DEFAULT_BLOCK:
+                        t_s = timed(lambda q=q, x=x, packed=packed: _stochastic(q, x, draws, pool, packed), reps)
+                        rows.append((threads, dtype, bits, block, "stochastic", gb / t_s, gb / t_d))
                     print(f"threads {threads} {dtype} int{bits} block {block:5d}: quantize {gb / t_q:6.2f} GB/s,"
                           f" dequantize {gb / t_d:6.2f} GB/s", flush=True)
     torch.set_num_threads(1)
     return rows
+
+
+def _stochastic(q: BlockQuantizer, x: torch.Tensor, draws: Draws, pool: ScratchPool,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x``'s rows quantized with stochastic rounding (into ``out`` when given), the noise drawn as the engine
+    draws it."""
+    noise = draws.uniform("bench", x.numel() // x.shape[-1] * q.blocks(x.shape[-1]) * q.block, x.device, pool)
+    out = q.quantize(x, out=out, noise=noise)
+    pool.give(noise)
+    return out
 
 
 def corpus_batches(vocab: int, batch: int, seq: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -190,28 +207,33 @@ def model_errors(params: float, steps: int) -> tuple[list[str], dict[str, object
     return lines, {"units": [r.numel() for r in weights], "n_params": model.num_params()}
 
 
-def step_cost(units: list[int], bits: int, block: int, reps: int) -> tuple[float, float, float]:
+def step_cost(units: list[int], bits: int, block: int, reps: int, stochastic: bool = False) -> tuple[float, float, float]:
     """Seconds of one rank's quantize and dequantize calls in one ZeRO++ step (2 nodes x 2 ranks), one thread:
-    (qwZ, qgZ, full-precision bytes touched)."""
+    (qwZ, qgZ, full-precision bytes touched); ``stochastic``: every quantization rounded stochastically, its
+    noise drawn as the engine draws it."""
     torch.set_num_threads(1)
     qw, qg = BlockQuantizer(8, block), BlockQuantizer(bits, block)
     g = torch.Generator().manual_seed(0)
     bufs = [torch.randn(n, generator=g) for n in units]
     nodes = WORLD // PER_NODE
+    draws, pool = Draws(), ScratchPool()
+
+    def quantize(q: BlockQuantizer, x: torch.Tensor) -> torch.Tensor:
+        return _stochastic(q, x, draws, pool) if stochastic else q.quantize(x)
 
     def qwz() -> None:
         for full in bufs:
             s = full.numel() // WORLD
-            packed = qw.quantize(full[:s].view(1, s))
+            packed = quantize(qw, full[:s].view(1, s))
             recv = packed.expand(WORLD, -1).contiguous()
             full.view(WORLD, s).copy_(qw.dequantize(recv, s))
 
     def qgz() -> None:
         for full in bufs:
             s = full.numel() // WORLD
-            send = qg.quantize(full.view(nodes, PER_NODE, s).transpose(0, 1))  # the node's exchange
+            send = quantize(qg, full.view(nodes, PER_NODE, s).transpose(0, 1))  # the node's exchange
             partial = qg.dequantize(send, s).reshape(PER_NODE, nodes, s).sum(0)
-            send2 = qg.quantize(partial)  # the cross-node exchange
+            send2 = quantize(qg, partial)  # the cross-node exchange
             qg.dequantize(send2, s).reshape(nodes, s).sum(0)
 
     touched = sum(units) * 4 * (1 / WORLD + 1) + sum(units) * 4 * (1 + 1 + 2 / PER_NODE)
@@ -245,7 +267,8 @@ def main() -> None:
     load0 = os.getloadavg()[0]
     tp = throughput(int(args.numel), args.reps)
     err_lines, info = model_errors(args.params, args.train_steps)
-    costs = {bits: step_cost(info["units"], bits, DEFAULT_BLOCK, args.reps) for bits in BITS}
+    costs = {(bits, rounding): step_cost(info["units"], bits, DEFAULT_BLOCK, args.reps, rounding == "stochastic")
+             for bits in BITS for rounding in ("nearest", "stochastic")}
     lines = [
         "# ZeRO++'s block quantizer on CPU: throughput, error, cost a step",
         "",
@@ -262,10 +285,13 @@ def main() -> None:
         f" elements); median of {args.reps} after a warm-up; `quantize(x, out=...)` into a preallocated buffer,"
         " `dequantize` allocating its fp32 output. Block = values per fp32 scale.",
         "",
-        "| threads | input | bits | block | quantize GB/s | dequantize GB/s |",
-        "|---|---|---|---|---|---|",
+        "Rounding `stochastic` (quantize.weight_rounding / gradient_rounding) includes drawing the noise from a"
+        " seeded generator (zeroray.engine.rounding.Draws); dequantizing is the same either way.",
+        "",
+        "| threads | input | bits | block | rounding | quantize GB/s | dequantize GB/s |",
+        "|---|---|---|---|---|---|---|",
     ]
-    lines += [f"| {t} | {d} | int{b} | {blk} | {gq:.2f} | {gd:.2f} |" for t, d, b, blk, gq, gd in tp]
+    lines += [f"| {t} | {d} | int{b} | {blk} | {r} | {gq:.2f} | {gd:.2f} |" for t, d, b, blk, r, gq, gd in tp]
     lines += ["", "## Error per element", "", *err_lines, "", "## The cost of quantizing, a step", ""]
     n_params = info["n_params"]
     lines += [
@@ -274,14 +300,14 @@ def main() -> None:
         " one thread, no communication (what results/zeropp/results.md's ZeRO++ rows add to hpZ's step besides the"
         " smaller transfers):",
         "",
-        "| qgZ bits | qwZ (forward gathers) s | qgZ (hierarchical reduce-scatter) s | total s | fp32 GB touched |",
-        "|---|---|---|---|---|",
+        "| qgZ bits | rounding | qwZ (forward gathers) s | qgZ (hierarchical reduce-scatter) s | total s | fp32 GB touched |",
+        "|---|---|---|---|---|---|",
     ]
-    for bits, (tw, tg, touched) in costs.items():
-        lines.append(f"| {bits} | {tw:.3f} | {tg:.3f} | {tw + tg:.3f} | {touched / 1e9:.2f} |")
+    for (bits, rounding), (tw, tg, touched) in costs.items():
+        lines.append(f"| {bits} | {rounding} | {tw:.3f} | {tg:.3f} | {tw + tg:.3f} | {touched / 1e9:.2f} |")
     steps = step_times()
     if steps:
-        total8 = sum(costs[8][:2])
+        total8 = sum(costs[8, "nearest"][:2])
         lines += ["", "Against the step times of results/zeropp/results.md (2 nodes x 2 ranks; there 4 ranks share"
                   " 2 cores, so a rank's quantizing takes about twice the one-thread time above):", "",
                   "| link | mode | step s | quantizing (int8, 1 thread) / step | x2 (half a core a rank) / step |",

@@ -819,7 +819,9 @@ def main() -> None:
                 r[n]["errors"] = {k: v for k, v in r[n]["errors"].items() if int(k) < done}
         meta["measure_steps"] = [k for k in meta["measure_steps"] if int(k) < done]
         meta["stopped_at"] = done
-        payload = {"meta": meta, "runs": merge(per_rank, names, float("nan"))}
+        seed = meta.get("seed", SEED)  # named as a whole job's runs are
+        runs = {n if seed == SEED else _seeded(n, seed): r for n, r in merge(per_rank, names, float("nan")).items()}
+        payload = {"meta": meta, "runs": runs}
     elif args.merge:  # another job's runs (a control, a repeat in fresh processes) added to convergence.json
         payload = json.loads(js.read_text())
         other = json.loads(Path(args.merge).read_text())
@@ -857,8 +859,9 @@ def main() -> None:
             runs.update({n if args.seed == SEED else _seeded(n, args.seed): r for n, r in merged.items()})
             print(f"{job}: {time.perf_counter() - t0:.0f} s", flush=True)
         payload = {"meta": meta, "runs": runs}
+    if not args.plot_only and not args.merge:
         js.write_text(json.dumps(payload, indent=1))  # the raw results first, whatever the analysis does
-        if "baseline" not in runs:
+        if not any(_seed_of(n)[0] == "baseline" for n in payload["runs"]):
             print(f"no baseline in this job: raw results in {js}; add them with --merge {js}")
             return
     payload["analysis"] = analyse(payload["runs"], payload["meta"]["steps"])
