@@ -79,6 +79,7 @@ class ZeroEngine:
         self.topology = parts.topology  # the shard group and the replicas
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         self.global_step = 0  # optimizer steps taken (skipped fp16 steps included)
+        self._draws = parts.draws
         self.micro_step = 0
         self.skipped_steps = 0
         # True while step() or a load changes the state (from the loss scale to global_step): a failure then
@@ -107,13 +108,22 @@ class ZeroEngine:
         self._frozen = parts.frozen
         self._param_steps = parts.param_steps
         self._setup_comm = parts.setup_comm
-        self._draws = parts.draws
         self._stateful: dict[str, Stateful] = {}  # small JSON state saved beside the engine's (register_stateful)
         self._loaded_stateful: dict[str, Any] = {}  # the last load's, for objects registered after it
         for m in model.modules():
             HELD[m] = self
 
     # ------------------------------------------------------------------ training
+    @property
+    def micro_step(self) -> int:
+        """Micro-batches stepped (saved with the engine); stochastic rounding draws by it."""
+        return self._micro_step
+
+    @micro_step.setter
+    def micro_step(self, n: int) -> None:
+        self._micro_step = n
+        self._draws.micro_batch = n + 1  # the next micro-batch, counted from 1
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():  # evaluation: not part of a training step's time
             return self.module(*args, **kwargs)
@@ -184,7 +194,6 @@ class ZeroEngine:
         self._backward_since_step = False
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_step += 1
-        self._draws.micro_batch = self.micro_step + 1
         if not boundary:
             return
         self._phases.start("optimizer")
@@ -458,7 +467,6 @@ class ZeroEngine:
             steps = int(scalars[g.param_group].get("step", self.global_step))
             counts[:] = [uneven.get(name, steps) for name in g.param_names]
         self.micro_step = int(meta.get("micro_step", self.global_step * self.gradient_accumulation_steps))
-        self._draws.micro_batch = self.micro_step + 1
         self.skipped_steps = int(meta.get("skipped_steps", 0))
         if meta.get("loss_scaler"):
             self.loss_scaler.load_state_dict(meta["loss_scaler"])
