@@ -13,6 +13,8 @@ from tests.support.dist import run_ranks
 from tests.support.models import TinyLM, batches
 from tests.support.recipe import GAS, OPT_STEPS, config, optimizer, train
 from zeroray.engine.quantize import BlockQuantizer, QuantizeKernels
+from zeroray.engine.rounding import Draws
+from zeroray.engine.scratch import ScratchPool
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -42,8 +44,9 @@ def _engine_runs(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     init = TinyLM().to(dev)
     out = {}
+    sr = {"weights": True, "gradients": True, "weight_rounding": "stochastic", "gradient_rounding": "stochastic"}
     for name, quantize in (("base", {}), ("qwz", {"weights": True}), ("both", {"weights": True, "gradients": True}),
-                           ("both_again", {"weights": True, "gradients": True})):
+                           ("both_again", {"weights": True, "gradients": True}), ("sr", sr), ("sr_again", sr)):
         model = copy.deepcopy(init)
         engine = zeroray.initialize(model, optimizer(model), config(3, "bf16", quantize=quantize))
         out[name] = train(engine, data)
@@ -56,7 +59,20 @@ def _engine_runs(rank: int, world: int) -> dict:
 def test_engine_quantized_on_cuda_tracks_unquantized_and_repeats_bitwise() -> None:
     (res,) = run_ranks(_engine_runs, 1, backend="nccl")
     assert res["qwz_compiled"] and res["both_compiled"]
-    for name in ("qwz", "both"):
+    for name in ("qwz", "both", "sr"):
         for got, want in zip(res[name], res["base"]):
             assert abs(got - want) <= 0.02 * abs(want), (name, res[name], res["base"])
-    assert res["both"] == res["both_again"]
+    assert res["both"] == res["both_again"] and res["sr"] == res["sr_again"] and res["sr"] != res["both"]
+
+
+def test_compiled_stochastic_rounding_stays_within_a_step() -> None:
+    """The compiled quantizer rounds with the draws' noise on CUDA: every value within one step of its code."""
+    q = BlockQuantizer(8, 256)
+    compiled, pool = QuantizeKernels(q, compiled=True), ScratchPool()
+    rows = torch.randn(1, 100_003, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
+    noise = Draws().uniform("0/h.0", q.blocks(rows.shape[-1]) * q.block, rows.device, pool)
+    codes = compiled.quantize(rows, noise)
+    values = compiled.dequantize(codes, rows.shape[-1])
+    step = codes[:, q.code_bytes(rows.shape[-1]):].view(torch.float32).repeat_interleave(q.block, dim=1)[:, : rows.shape[-1]]
+    assert bool(((values - rows).abs() <= step * 1.0001).all())
+    assert not torch.equal(codes, compiled.quantize(rows))  # not the nearest codes
