@@ -82,6 +82,8 @@ LINK_NAMES = {"none": "unshaped", "1gbit": "1 Gbit/s", "10gbit": "10 Gbit/s"}
 HPZ = 2  # hpZ's secondary group: the ranks of one node
 QUANTIZE_BLOCK = 256  # qwZ / qgZ values per fp32 scale
 # zeroray's modes: their ZeroConfig
+# The ZeRO++ modes recorded before stochastic rounding became the default (2026-11-28) round to nearest.
+NEAREST = {"weight_rounding": "nearest", "gradient_rounding": "nearest"}
 ZERORAY_MODES: dict[str, dict[str, Any]] = {
     "zeroray-flat-s3": {"stage": 3},
     "zeroray-hybrid-s3": {"stage": 3, "shard_group_size": K},
@@ -93,17 +95,17 @@ ZERORAY_MODES: dict[str, dict[str, Any]] = {
     # ZeRO++'s own form, quantized inside the node too (the default on CUDA), and (zpp8n) fp32 inside the node
     **{f"zeroray-zpp{bits}-s3": {"stage": 3, "hpz_partition_size": HPZ, "quantize": {
         "weights": True, "gradients": True, "block_size": QUANTIZE_BLOCK, "gradient_bits": bits,
-        "intra_node_gradients": True}} for bits in (8, 4)},
+        "intra_node_gradients": True, **NEAREST}} for bits in (8, 4)},
     "zeroray-zpp8n-s3": {"stage": 3, "hpz_partition_size": HPZ, "quantize": {
         "weights": True, "gradients": True, "block_size": QUANTIZE_BLOCK, "gradient_bits": 8,
-        "intra_node_gradients": False}},
-    # zpp8n with stochastic rounding of both collectives' codes (quantize.weight_rounding / gradient_rounding)
+        "intra_node_gradients": False, **NEAREST}},
+    # zpp8n with stochastic rounding of both collectives' codes (the default since 2026-11-28)
     "zeroray-zpp8n-sr-s3": {"stage": 3, "hpz_partition_size": HPZ, "quantize": {
         "weights": True, "gradients": True, "block_size": QUANTIZE_BLOCK, "gradient_bits": 8,
         "intra_node_gradients": False, "weight_rounding": "stochastic", "gradient_rounding": "stochastic"}},
     "zeroray-qwz-qgz8-s3": {"stage": 3, "quantize": {
         "weights": True, "gradients": True, "block_size": QUANTIZE_BLOCK, "gradient_bits": 8,
-        "intra_node_gradients": True}},
+        "intra_node_gradients": True, **NEAREST}},
 }
 MODES = ["zeroray-flat-s3", "zeroray-hybrid-s3", "zeroray-hybrid-s2", "fsdp2-flat", "fsdp2-hsdp"]
 MODE_NAMES = {

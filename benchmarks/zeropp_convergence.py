@@ -72,36 +72,40 @@ NODES = 2
 BLOCK_SIZE = 256  # the quantization block (values per fp32 scale) of every quantized mode
 # examples/train_gpt.py's defaults (its argparse defaults; the recipe functions are imported from it)
 EXAMPLE = {"batch": 8, "block": 128, "n_layer": 4, "n_embd": 256, "n_head": 4, "lr": 3e-3, "grad_clip": 1.0}
+# Every mode recorded before stochastic rounding became the default (2026-11-28) is pinned to rounding to nearest.
+NEAREST = {"weight_rounding": "nearest", "gradient_rounding": "nearest"}
 # The modes with qwZ recorded before its backward gathers were quantized too (the default since) are pinned to
-# exact_backward_weights, so each name keeps the form its runs used; "(int8 backward)" names the default form.
+# exact_backward_weights, so each name keeps the form its runs used; "(int8 backward)" names the form that became
+# the default then.
 MODES: dict[str, dict[str, Any]] = {
     "baseline": {},
-    "qwZ": {"weights": True, "exact_backward_weights": True},
-    "qwZ (int8 backward)": {"weights": True},
-    "qwZ+qgZ int8 (int8 backward)": {"weights": True, "gradients": True, "gradient_bits": 8, "intra_node_gradients": True},
+    "qwZ": {**NEAREST, "weights": True, "exact_backward_weights": True},
+    "qwZ (int8 backward)": {**NEAREST, "weights": True},
+    "qwZ+qgZ int8 (int8 backward)": {**NEAREST, "weights": True, "gradients": True, "gradient_bits": 8, "intra_node_gradients": True},
     # qgZ in ZeRO++'s own form, quantized inside the node too (two roundings; the default on CUDA, and the form
     # the recorded runs used): the CPU default's fp32 stage inside the node rounds once, so it errs less
-    "qgZ int8": {"gradients": True, "gradient_bits": 8, "intra_node_gradients": True},
-    "qgZ int4": {"gradients": True, "gradient_bits": 4, "intra_node_gradients": True},
-    "qwZ+qgZ int8": {"weights": True, "exact_backward_weights": True, "gradients": True, "gradient_bits": 8, "intra_node_gradients": True},
-    "qwZ+qgZ int4": {"weights": True, "exact_backward_weights": True, "gradients": True, "gradient_bits": 4, "intra_node_gradients": True},
-    "qwZ+qgZ int8 (repeat)": {"weights": True, "exact_backward_weights": True, "gradients": True, "gradient_bits": 8, "intra_node_gradients": True},
+    "qgZ int8": {**NEAREST, "gradients": True, "gradient_bits": 8, "intra_node_gradients": True},
+    "qgZ int4": {**NEAREST, "gradients": True, "gradient_bits": 4, "intra_node_gradients": True},
+    "qwZ+qgZ int8": {**NEAREST, "weights": True, "exact_backward_weights": True, "gradients": True, "gradient_bits": 8, "intra_node_gradients": True},
+    "qwZ+qgZ int4": {**NEAREST, "weights": True, "exact_backward_weights": True, "gradients": True, "gradient_bits": 4, "intra_node_gradients": True},
+    "qwZ+qgZ int8 (repeat)": {**NEAREST, "weights": True, "exact_backward_weights": True, "gradients": True, "gradient_bits": 8, "intra_node_gradients": True},
     # the CPU default (intra_node_gradients None = False on CPU): fp32 inside the node, the node's sum rounded once
-    "qgZ int8 (fp32 in node)": {"gradients": True, "gradient_bits": 8, "intra_node_gradients": False},
-    "qwZ+qgZ int8 (fp32 in node)": {"weights": True, "exact_backward_weights": True, "gradients": True, "gradient_bits": 8, "intra_node_gradients": False},
+    "qgZ int8 (fp32 in node)": {**NEAREST, "gradients": True, "gradient_bits": 8, "intra_node_gradients": False},
+    "qwZ+qgZ int8 (fp32 in node)": {**NEAREST, "weights": True, "exact_backward_weights": True, "gradients": True, "gradient_bits": 8, "intra_node_gradients": False},
     # full ZeRO++ (the benchmark's): hpZ keeps the forward's dequantized weights for the backward inside the node, so
     # backward computes with the weights forward used (as qwZ's default form does without hpZ)
-    "hpZ+qwZ+qgZ int8": {"_hpz": RANKS_PER_NODE, "weights": True, "gradients": True, "gradient_bits": 8,
+    "hpZ+qwZ+qgZ int8": {**NEAREST, "_hpz": RANKS_PER_NODE, "weights": True, "gradients": True, "gradient_bits": 8,
                          "intra_node_gradients": True},
-    # stochastic rounding of qwZ's codes (quantize.weight_rounding), and of qgZ's too (gradient_rounding)
+    # stochastic rounding of qwZ's codes (quantize.weight_rounding), and of qgZ's too (gradient_rounding): "SR both"
+    # is the default since 2026-11-28
     "qwZ (int8 backward) SR": {"weights": True, "weight_rounding": "stochastic"},
     "qwZ+qgZ int8 (int8 backward) SR": {"weights": True, "gradients": True, "gradient_bits": 8, "intra_node_gradients": True,
-                                        "weight_rounding": "stochastic"},
+                                        "weight_rounding": "stochastic", "gradient_rounding": "nearest"},
     "qwZ+qgZ int8 (int8 backward) SR both": {"weights": True, "gradients": True, "gradient_bits": 8,
                                              "intra_node_gradients": True, "weight_rounding": "stochastic",
                                              "gradient_rounding": "stochastic"},
     # qwZ's weights with 4x the scales (0.6% error per element at block 64 against 0.7% at 256)
-    "qwZ block 64": {"weights": True, "exact_backward_weights": True, "block_size": 64},
+    "qwZ block 64": {**NEAREST, "weights": True, "exact_backward_weights": True, "block_size": 64},
     # A control, not a ZeRO++ mode: the baseline with every initial weight scaled by (1 + 1e-6 x N(0, 1)) (about
     # 8 fp32 ulps), to show how far a run drifts from the baseline from a perturbation far below any quantizer's
     # (the chaotic spread of this recipe's curves); run with --modes, not in "all".

@@ -24,7 +24,7 @@ from zeroray.config.load import load_config
 from zeroray.engine.quantize import BlockQuantizer
 
 NODES = ["node-0", "node-0", "node-1", "node-1"]
-SR = {"weight_rounding": "stochastic", "gradient_rounding": "stochastic"}
+NEAREST = {"weight_rounding": "nearest", "gradient_rounding": "nearest"}  # DeepSpeed's rounding; stochastic is the default
 
 
 def _grad_shards(engine: zeroray.ZeroEngine, data: list) -> list[torch.Tensor]:
@@ -66,18 +66,18 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 CASES = [
     {},  # 0: unquantized stage 3
-    {"quantize": {"weights": True}},  # 1: qwZ
-    {"quantize": {"gradients": True, "intra_node_gradients": True}},  # 2: qgZ int8, hierarchical, ZeRO++'s form
-    {"quantize": {"gradients": True, "gradient_bits": 4, "intra_node_gradients": True}},  # 3: qgZ int4
-    {"quantize": {"weights": True, "gradients": True}, "hpz_partition_size": 2},  # 4: full ZeRO++ (CPU: fp32 in node)
+    {"quantize": {**NEAREST, "weights": True}},  # 1: qwZ
+    {"quantize": {**NEAREST, "gradients": True, "intra_node_gradients": True}},  # 2: qgZ int8, hierarchical, ZeRO++'s form
+    {"quantize": {**NEAREST, "gradients": True, "gradient_bits": 4, "intra_node_gradients": True}},  # 3: qgZ int4
+    {"quantize": {**NEAREST, "weights": True, "gradients": True}, "hpz_partition_size": 2},  # 4: full ZeRO++ (CPU: fp32 in node)
     {"stage": 2},  # 5: unquantized stage 2
-    {"stage": 2, "quantize": {"gradients": True}},  # 6: qgZ at stage 2
-    {"quantize": {"weights": True, "gradients": True}, "shard_group_size": 2},  # 7: on top of hybrid
-    {"quantize": {"weights": True, "gradients": True}, "hpz_partition_size": 2},  # 8: case 4 again
-    {"quantize": {"gradients": True, "intra_node_gradients": False}},  # 9: qgZ int8, fp32 inside the node
-    {"quantize": {"weights": True, "exact_backward_weights": True}},  # 10: qwZ, the backward gathering fp32
-    {"quantize": {"weights": True, "gradients": True, **SR}, "hpz_partition_size": 2},  # 11: case 4, stochastic
-    {"quantize": {"weights": True, "gradients": True, **SR}, "hpz_partition_size": 2},  # 12: case 11 again
+    {"stage": 2, "quantize": {**NEAREST, "gradients": True}},  # 6: qgZ at stage 2
+    {"quantize": {**NEAREST, "weights": True, "gradients": True}, "shard_group_size": 2},  # 7: on top of hybrid
+    {"quantize": {**NEAREST, "weights": True, "gradients": True}, "hpz_partition_size": 2},  # 8: case 4 again
+    {"quantize": {**NEAREST, "gradients": True, "intra_node_gradients": False}},  # 9: qgZ int8, fp32 inside the node
+    {"quantize": {**NEAREST, "weights": True, "exact_backward_weights": True}},  # 10: qwZ, the backward gathering fp32
+    {"quantize": {"weights": True, "gradients": True}, "hpz_partition_size": 2},  # 11: case 4, rounded stochastically (the default)
+    {"quantize": {"weights": True, "gradients": True}, "hpz_partition_size": 2},  # 12: case 11 again
 ]
 
 
@@ -229,7 +229,7 @@ def test_forward_and_backward_compute_with_the_same_dequantized_weights_and_the_
 def _resume(rank: int, world: int, url: str) -> tuple[list[float], list[float]]:
     """Stochastic rounding: the losses after a checkpoint, run on, and in a fresh engine loaded from it."""
     data = batches(rank, GAS * (OPT_STEPS + 1))
-    cfg = config(3, "fp32", quantize={"weights": True, "gradients": True, **SR})
+    cfg = config(3, "fp32", quantize={"weights": True, "gradients": True})  # rounded stochastically
     losses = []
     for seed in (0, 1):
         torch.manual_seed(seed)

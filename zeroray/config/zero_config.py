@@ -262,7 +262,8 @@ class QuantizeConfig:
     instead of two, for 4x the bytes on the node's own links). None (the default) picks by device: False on
     CPU, where quantizing costs more than the node's links save (docs/multi-node.md), True on CUDA. Masters and
     optimizer states stay full precision. ``weight_rounding`` / ``gradient_rounding``: how codes are rounded,
-    ``"nearest"`` (DeepSpeed's) or ``"stochastic"`` (unbiased, from seeded draws: zeroray.engine.rounding)."""
+    ``"stochastic"`` (the default: unbiased, from seeded draws, zeroray.engine.rounding; the form that kept the
+    convergence study's curves within 2% of the unquantized one) or ``"nearest"`` (DeepSpeed's)."""
 
     weights: bool = False
     gradients: bool = False
@@ -270,8 +271,8 @@ class QuantizeConfig:
     gradient_bits: int = 8
     intra_node_gradients: bool | None = None
     exact_backward_weights: bool = False
-    weight_rounding: str = "nearest"
-    gradient_rounding: str = "nearest"
+    weight_rounding: str = "stochastic"
+    gradient_rounding: str = "stochastic"
 
     def problems(self, stage: Any) -> Problems:
         yield from _flag("quantize.weights", self.weights)
