@@ -104,6 +104,7 @@ MODES: dict[str, dict[str, Any]] = {
     "qwZ+qgZ int8 (int8 backward) SR both": {"weights": True, "gradients": True, "gradient_bits": 8,
                                              "intra_node_gradients": True, "weight_rounding": "stochastic",
                                              "gradient_rounding": "stochastic"},
+    "qgZ int8 SR": {"gradients": True, "gradient_bits": 8, "intra_node_gradients": True},  # (rounding: the default)
     # qwZ's weights with 4x the scales (0.6% error per element at block 64 against 0.7% at 256)
     "qwZ block 64": {**NEAREST, "weights": True, "exact_backward_weights": True, "block_size": 64},
     # A control, not a ZeRO++ mode: the baseline with every initial weight scaled by (1 + 1e-6 x N(0, 1)) (about
