@@ -86,7 +86,7 @@ def _stochastic(q: BlockQuantizer, x: torch.Tensor, draws: Draws, pool: ScratchP
                 out: torch.Tensor | None = None) -> torch.Tensor:
     """``x``'s rows quantized with stochastic rounding (into ``out`` when given), the noise drawn as the engine
     draws it."""
-    noise = draws.uniform("bench", x.numel() // x.shape[-1] * q.blocks(x.shape[-1]) * q.block, x.device, pool)
+    noise = draws.uniform("bench", q.padded_numel(x), x.device, pool)
     out = q.quantize(x, out=out, noise=noise)
     pool.give(noise)
     return out

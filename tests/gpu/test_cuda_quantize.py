@@ -70,7 +70,7 @@ def test_compiled_stochastic_rounding_stays_within_a_step() -> None:
     q = BlockQuantizer(8, 256)
     compiled, pool = QuantizeKernels(q, compiled=True), ScratchPool()
     rows = torch.randn(1, 100_003, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
-    noise = Draws().uniform("0/h.0", q.blocks(rows.shape[-1]) * q.block, rows.device, pool)
+    noise = Draws().uniform("0/h.0", q.padded_numel(rows), rows.device, pool)
     codes = compiled.quantize(rows, noise)
     values = compiled.dequantize(codes, rows.shape[-1])
     step = codes[:, q.code_bytes(rows.shape[-1]):].view(torch.float32).repeat_interleave(q.block, dim=1)[:, : rows.shape[-1]]

@@ -51,6 +51,10 @@ class BlockQuantizer:
     def code_bytes(self, n: int) -> int:
         return self.blocks(n) * self.block * self.bits // 8
 
+    def padded_numel(self, x: torch.Tensor) -> int:
+        """The values of ``x``'s rows padded to whole blocks: the size of the noise that rounds them stochastically."""
+        return x.numel() // x.shape[-1] * self.blocks(x.shape[-1]) * self.block
+
     def row_bytes(self, n: int) -> int:
         """Bytes of one quantized row of ``n`` values: codes, then the scales."""
         return self.code_bytes(n) + self.blocks(n) * SCALE_BYTES

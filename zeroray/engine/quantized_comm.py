@@ -141,8 +141,7 @@ def _quantize(q: QuantizeKernels, rows: torch.Tensor, draws: Draws | None, key: 
     """``rows`` quantized by ``q``, rounded stochastically with ``draws``' noise for ``key`` when given."""
     if draws is None:
         return q.quantize(rows)
-    n = rows.shape[-1]
-    noise = draws.uniform(key, rows.numel() // n * q.quantizer.blocks(n) * q.quantizer.block, rows.device, q.pool)
+    noise = draws.uniform(key, q.quantizer.padded_numel(rows), rows.device, q.pool)
     send = q.quantize(rows, noise)
     q.release(noise)
     return send
