@@ -103,6 +103,10 @@ ZERORAY_MODES: dict[str, dict[str, Any]] = {
     "zeroray-zpp8n-sr-s3": {"stage": 3, "hpz_partition_size": HPZ, "quantize": {
         "weights": True, "gradients": True, "block_size": QUANTIZE_BLOCK, "gradient_bits": 8,
         "intra_node_gradients": False, "weight_rounding": "stochastic", "gradient_rounding": "stochastic"}},
+    # zpp8n-sr with qgZ's codes fp8 (e4m3), rounded stochastically
+    "zeroray-zpp-fp8-s3": {"stage": 3, "hpz_partition_size": HPZ, "quantize": {
+        "weights": True, "gradients": True, "block_size": QUANTIZE_BLOCK, "gradient_codes": "fp8",
+        "intra_node_gradients": False, "weight_rounding": "stochastic"}},
     "zeroray-qwz-qgz8-s3": {"stage": 3, "quantize": {
         "weights": True, "gradients": True, "block_size": QUANTIZE_BLOCK, "gradient_bits": 8,
         "intra_node_gradients": True, **NEAREST}},
@@ -121,6 +125,7 @@ MODE_NAMES = {
     "zeroray-zpp4-s3": "zeroray ZeRO++ (hpZ + qwZ + qgZ int4)",
     "zeroray-zpp8n-s3": "zeroray ZeRO++ (hpZ + qwZ + qgZ int8, fp32 inside the node)",
     "zeroray-zpp8n-sr-s3": "zeroray ZeRO++ (hpZ + qwZ + qgZ int8, fp32 inside the node, stochastic rounding)",
+    "zeroray-zpp-fp8-s3": "zeroray ZeRO++ (hpZ + qwZ + qgZ fp8, fp32 inside the node, stochastic rounding)",
     "zeroray-qwz-qgz8-s3": "zeroray qwZ + qgZ int8, no hpZ",
     "deepspeed-flat-s3": "DeepSpeed ZeRO-3 flat",
     "deepspeed-hpz-s3": f"DeepSpeed hpZ (zero_hpz_partition_size={HPZ})",
@@ -207,6 +212,7 @@ SUITES = {
          ("ZeRO++ int8, fp32 in node / hpZ", "zeroray-zpp8n-s3", "zeroray-hpz-s3"),
          ("ZeRO++ int8, fp32 in node, stochastic / hpZ", "zeroray-zpp8n-sr-s3", "zeroray-hpz-s3"),
          ("ZeRO++ stochastic / nearest rounding", "zeroray-zpp8n-sr-s3", "zeroray-zpp8n-s3"),
+         ("ZeRO++ qgZ fp8 / hpZ", "zeroray-zpp-fp8-s3", "zeroray-hpz-s3"),
          ("ZeRO++ int4 / hpZ", "zeroray-zpp4-s3", "zeroray-hpz-s3"),
          ("ZeRO++ int8 / flat s3", "zeroray-zpp8-s3", "zeroray-flat-s3"),
          ("qwZ+qgZ / flat s3", "zeroray-qwz-qgz8-s3", "zeroray-flat-s3"),

@@ -2,8 +2,8 @@
 
     PYTHONPATH=. python benchmarks/quantize_bench.py [--params 25e6] [--numel 8e6] [--reps 5]
 
-1. Throughput: quantize and dequantize GB/s of the input (fp32; bf16 at the default block) for int8 and int4
-   at block sizes 64..2048, with one and two torch threads. The input is a (4, numel/4) buffer, as qgZ
+1. Throughput: quantize and dequantize GB/s of the input (fp32; bf16 at the default block) for int8, int4
+   and fp8 (e4m3) codes at block sizes 64..2048, with one and two torch threads. The input is a (4, numel/4) buffer, as qgZ
    quantizes a gradient buffer's rows for 4 ranks; GB/s counts the full-precision bytes (quantize reads them,
    dequantize writes fp32). Median of ``--reps`` after one warm-up.
 2. Error per element, on zeroray's GPT (``--params``, the hybrid/ZeRO++ benchmark's model, seed 0, a few AdamW
@@ -12,7 +12,8 @@
    unit's flat buffer (a transformer block, or the root's parameters) cut into 4 rows as the engine's shards
    are, and on one weight matrix alone; and (c) qgZ's reduced gradient: the sum over 4 ranks' gradients
    (4 batches) through one quantized exchange, and hierarchically (2 nodes x 2 ranks: quantize, sum a node's
-   2, requantize, sum the 2 nodes), against the exact fp32 sum.
+   2, requantize, sum the 2 nodes), against the exact fp32 sum; and the share of Adam's step the
+   hierarchical reduced gradient keeps, per element (what qgZ's int codes cost on a block's small gradients).
 3. The cost of quantizing a step, apart: the quantize and dequantize calls one rank of the ZeRO++ benchmark
    (2 nodes x 2 ranks, hpZ + qwZ + qgZ) makes in a step, on the model's real unit sizes, timed in one process
    at one thread, without any communication: qwZ quantizes the rank's shard and dequantizes the gathered
@@ -44,7 +45,8 @@ from zeroray.engine.scratch import ScratchPool  # noqa: E402
 from zeroray.models.gpt import GPT, GPTConfig  # noqa: E402
 
 BLOCKS = (64, 128, 256, 512, 1024, 2048)
-BITS = (8, 4)
+FORMATS = {"int8": (8, "int"), "int4": (4, "int"), "fp8": (8, "fp8")}  # name: (bits, codes) of BlockQuantizer
+KEPT_DRAWS = 16  # stochastic roundings averaged for "Adam's step kept"
 DEFAULT_BLOCK = 256  # ZeroConfig.quantize.block_size's default
 WORLD, PER_NODE = 4, 2  # the ZeRO++ benchmark's 2 nodes x 2 ranks
 OUT = Path(__file__).resolve().parent / "results" / "zeropp" / "quantize.md"
@@ -53,8 +55,8 @@ ZPP_RESULTS = OUT.with_name("results.md")
 ZPP_MODES = ("zeroray ZeRO++ (hpZ + qwZ + qgZ int8)", "zeroray hpZ (h=2), stage 3")
 
 
-def throughput(numel: int, reps: int) -> list[tuple[int, str, int, int, str, float, float]]:
-    """(threads, dtype, bits, block, rounding, quantize GB/s, dequantize GB/s) of the full-precision input's
+def throughput(numel: int, reps: int) -> list[tuple[int, str, str, int, str, float, float]]:
+    """(threads, dtype, codes, block, rounding, quantize GB/s, dequantize GB/s) of the full-precision input's
     bytes. Stochastic rounding (at the default block) counts drawing its noise (rounding.Draws) into quantize."""
     rows = []
     draws, pool = Draws(), ScratchPool()
@@ -64,19 +66,19 @@ def throughput(numel: int, reps: int) -> list[tuple[int, str, int, int, str, flo
     for threads in (1, 2):
         torch.set_num_threads(threads)
         for dtype, x in inputs.items():
-            for bits in BITS:
+            for fmt, (bits, codes) in FORMATS.items():
                 for block in BLOCKS if dtype == "fp32" else (DEFAULT_BLOCK,):
-                    q = BlockQuantizer(bits, block)
+                    q = BlockQuantizer(bits, block, codes)
                     packed = q.quantize(x)
                     n = x.shape[-1]
                     t_q = timed(lambda q=q, x=x, packed=packed: q.quantize(x, out=packed), reps)
                     t_d = timed(lambda q=q, packed=packed, n=n: q.dequantize(packed, n), reps)
                     gb = x.numel() * x.element_size() / 1e9
-                    rows.append((threads, dtype, bits, block, "nearest", gb / t_q, gb / t_d))
+                    rows.append((threads, dtype, fmt, block, "nearest", gb / t_q, gb / t_d))
                     if dtype == "fp32" and block == DEFAULT_BLOCK:
                         t_s = timed(lambda q=q, x=x, packed=packed: _stochastic(q, x, draws, pool, packed), reps)
-                        rows.append((threads, dtype, bits, block, "stochastic", gb / t_s, gb / t_d))
-                    print(f"threads {threads} {dtype} int{bits} block {block:5d}: quantize {gb / t_q:6.2f} GB/s,"
+                        rows.append((threads, dtype, fmt, block, "stochastic", gb / t_s, gb / t_d))
+                    print(f"threads {threads} {dtype} {fmt} block {block:5d}: quantize {gb / t_q:6.2f} GB/s,"
                           f" dequantize {gb / t_d:6.2f} GB/s", flush=True)
     torch.set_num_threads(1)
     return rows
@@ -147,6 +149,27 @@ def reduced_error(q: BlockQuantizer, grads: list[torch.Tensor], hierarchical: bo
     return ((got - exact).abs().mean() / exact.abs().mean()).item()
 
 
+def adam_step_kept(q: BlockQuantizer, grads: list[torch.Tensor]) -> float:
+    """The mean over the elements of the hierarchical reduced gradient (2 nodes x 2 ranks) of E[q] sign(g) /
+    sqrt(E[q^2]): Adam's step on each element relative to the exact gradient's, the codes rounded
+    stochastically (the default; KEPT_DRAWS draws)."""
+    exact = torch.stack(grads).sum(0)
+    n, draws, pool = exact.shape[-1], Draws(), ScratchPool()
+
+    def qd(x: torch.Tensor) -> torch.Tensor:
+        return q.dequantize(_stochastic(q, x, draws, pool), n).view_as(x)
+
+    m1, m2 = torch.zeros_like(exact), torch.zeros_like(exact)
+    for _ in range(KEPT_DRAWS):
+        partials = [sum(qd(grads[j * PER_NODE + i]) for i in range(PER_NODE)) for j in range(WORLD // PER_NODE)]
+        got = sum(qd(p) for p in partials)
+        m1 += got / KEPT_DRAWS
+        m2 += got * got / KEPT_DRAWS
+        draws.micro_batch += 1
+    nz = exact != 0
+    return float((m1[nz] * exact[nz].sign() / m2[nz].sqrt().clamp_min(1e-30)).mean())
+
+
 def model_errors(params: float, steps: int) -> tuple[list[str], dict[str, object]]:
     """The error tables' lines, and the unit sizes (elements, padded to WORLD) for the cost part."""
     torch.manual_seed(0)
@@ -172,15 +195,15 @@ def model_errors(params: float, steps: int) -> tuple[list[str], dict[str, object
         f" seed 0, {steps} AdamW steps (lr 1e-3) on the shipped corpus; gradient: rank 0's next batch (4 x 128"
         f" tokens); reduced gradient: {WORLD} ranks' batches.",
         "",
-        "| bits | block | weights: mean rel. err | weights: max err / block max | one weight matrix: mean rel. err"
+        "| codes | block | weights: mean rel. err | weights: max err / block max | one weight matrix: mean rel. err"
         " | gradient: mean rel. err | gradient: max err / block max | reduced gradient, one level | reduced gradient,"
-        " hierarchical (2 x 2) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        " hierarchical (2 x 2) | Adam's step kept |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     print("errors:", flush=True)
-    for bits in BITS:
+    for fmt, (bits, codes) in FORMATS.items():
         for block in BLOCKS:
-            q = BlockQuantizer(bits, block)
+            q = BlockQuantizer(bits, block, codes)
             w = [errors(q, r) for r in weights]
             g = [errors(q, r) for r in rank_grads[0]]
             sizes = [r.numel() for r in weights]
@@ -193,8 +216,11 @@ def model_errors(params: float, steps: int) -> tuple[list[str], dict[str, object
             mat = errors(q, matrix.detach().view(1, -1))[0]
             red = [sum(reduced_error(q, [rank_grads[r][u] for r in range(WORLD)], h) * s
                        for u, s in enumerate(sizes)) / total for h in (False, True)]
-            lines.append(f"| {bits} | {block} | {w_mean:.4f} | {max(e[1] for e in w):.4f} | {mat:.4f} | {g_mean:.4f}"
-                         f" | {max(e[1] for e in g):.4f} | {red[0]:.4f} | {red[1]:.4f} |")
+            kept = sum(adam_step_kept(q, [rank_grads[r][u] for r in range(WORLD)]) * s
+                       for u, s in enumerate(sizes)) / total if block == DEFAULT_BLOCK else None
+            lines.append(f"| {fmt} | {block} | {w_mean:.4f} | {max(e[1] for e in w):.4f} | {mat:.4f} | {g_mean:.4f}"
+                         f" | {max(e[1] for e in g):.4f} | {red[0]:.4f} | {red[1]:.4f} | "
+                         + (f"{kept:.3f} |" if kept is not None else " |"))
             print(lines[-1], flush=True)
     lines += [
         "",
@@ -202,17 +228,22 @@ def model_errors(params: float, steps: int) -> tuple[list[str], dict[str, object
         " the whole model (= total |error| / total |x|), the max over every element. *one weight matrix*:"
         f" `{matrix_name}` alone, one row. *reduced gradient*: the mean relative error of the sum over {WORLD} ranks"
         " after qgZ's quantized exchange(s), size-weighted over units; the hierarchical form quantizes twice (the"
-        " node's partial sum is requantized), as in ZeRO++.",
+        " node's partial sum is requantized), as in ZeRO++. *Adam's step kept* (default block): per element of the"
+        " hierarchical reduced gradient, E[q] sign(g) / sqrt(E[q^2]) over the quantizer's errors, averaged over the"
+        " elements, Adam's step on an element relative to its exact one when its moments track q (m -> E[q],"
+        f" v -> E[q^2]); the codes rounded stochastically, the default ({KEPT_DRAWS} draws). A mean"
+        " weighted by |g| would hide it: Adam gives every element the same step size, so the small gradients of a"
+        " block, whose int codes are mostly 0 with a rare +-1, count as much as the large ones.",
     ]
     return lines, {"units": [r.numel() for r in weights], "n_params": model.num_params()}
 
 
-def step_cost(units: list[int], bits: int, block: int, reps: int, stochastic: bool = False) -> tuple[float, float, float]:
+def step_cost(units: list[int], fmt: str, block: int, reps: int, stochastic: bool = False) -> tuple[float, float, float]:
     """Seconds of one rank's quantize and dequantize calls in one ZeRO++ step (2 nodes x 2 ranks), one thread:
-    (qwZ, qgZ, full-precision bytes touched); ``stochastic``: every quantization rounded stochastically, its
-    noise drawn as the engine draws it."""
+    (qwZ, qgZ in ``fmt``, full-precision bytes touched); ``stochastic``: every quantization rounded
+    stochastically, its noise drawn as the engine draws it."""
     torch.set_num_threads(1)
-    qw, qg = BlockQuantizer(8, block), BlockQuantizer(bits, block)
+    qw, qg = BlockQuantizer(8, block), BlockQuantizer(FORMATS[fmt][0], block, FORMATS[fmt][1])
     g = torch.Generator().manual_seed(0)
     bufs = [torch.randn(n, generator=g) for n in units]
     nodes = WORLD // PER_NODE
@@ -267,8 +298,8 @@ def main() -> None:
     load0 = os.getloadavg()[0]
     tp = throughput(int(args.numel), args.reps)
     err_lines, info = model_errors(args.params, args.train_steps)
-    costs = {(bits, rounding): step_cost(info["units"], bits, DEFAULT_BLOCK, args.reps, rounding == "stochastic")
-             for bits in BITS for rounding in ("nearest", "stochastic")}
+    costs = {(fmt, rounding): step_cost(info["units"], fmt, DEFAULT_BLOCK, args.reps, rounding == "stochastic")
+             for fmt in FORMATS for rounding in ("nearest", "stochastic")}
     lines = [
         "# ZeRO++'s block quantizer on CPU: throughput, error, cost a step",
         "",
@@ -288,10 +319,10 @@ def main() -> None:
         "Rounding `stochastic` (quantize.weight_rounding / gradient_rounding) includes drawing the noise from a"
         " seeded generator (zeroray.engine.rounding.Draws); dequantizing is the same either way.",
         "",
-        "| threads | input | bits | block | rounding | quantize GB/s | dequantize GB/s |",
+        "| threads | input | codes | block | rounding | quantize GB/s | dequantize GB/s |",
         "|---|---|---|---|---|---|---|",
     ]
-    lines += [f"| {t} | {d} | int{b} | {blk} | {r} | {gq:.2f} | {gd:.2f} |" for t, d, b, blk, r, gq, gd in tp]
+    lines += [f"| {t} | {d} | {c} | {blk} | {r} | {gq:.2f} | {gd:.2f} |" for t, d, c, blk, r, gq, gd in tp]
     lines += ["", "## Error per element", "", *err_lines, "", "## The cost of quantizing, a step", ""]
     n_params = info["n_params"]
     lines += [
@@ -300,14 +331,14 @@ def main() -> None:
         " one thread, no communication (what results/zeropp/results.md's ZeRO++ rows add to hpZ's step besides the"
         " smaller transfers):",
         "",
-        "| qgZ bits | rounding | qwZ (forward gathers) s | qgZ (hierarchical reduce-scatter) s | total s | fp32 GB touched |",
+        "| qgZ codes | rounding | qwZ (forward gathers) s | qgZ (hierarchical reduce-scatter) s | total s | fp32 GB touched |",
         "|---|---|---|---|---|---|",
     ]
-    for (bits, rounding), (tw, tg, touched) in costs.items():
-        lines.append(f"| {bits} | {rounding} | {tw:.3f} | {tg:.3f} | {tw + tg:.3f} | {touched / 1e9:.2f} |")
+    for (fmt, rounding), (tw, tg, touched) in costs.items():
+        lines.append(f"| {fmt} | {rounding} | {tw:.3f} | {tg:.3f} | {tw + tg:.3f} | {touched / 1e9:.2f} |")
     steps = step_times()
     if steps:
-        total8 = sum(costs[8, "nearest"][:2])
+        total8 = sum(costs["int8", "nearest"][:2])
         lines += ["", "Against the step times of results/zeropp/results.md (2 nodes x 2 ranks; there 4 ranks share"
                   " 2 cores, so a rank's quantizing takes about twice the one-thread time above):", "",
                   "| link | mode | step s | quantizing (int8, 1 thread) / step | x2 (half a core a rank) / step |",

@@ -105,6 +105,16 @@ MODES: dict[str, dict[str, Any]] = {
                                              "intra_node_gradients": True, "weight_rounding": "stochastic",
                                              "gradient_rounding": "stochastic"},
     "qgZ int8 SR": {"gradients": True, "gradient_bits": 8, "intra_node_gradients": True},  # (rounding: the default)
+    # The "SR" runs above drew fp32 noise; since 2026-11-28 the draws are 8-bit (zeroray.engine.rounding), as here.
+    # qgZ's fp8 (e4m3) codes keep each gradient's size relative to itself: int8's error on a block's small
+    # gradients shrinks Adam's step there (the qgZ lag)
+    "qwZ SR (8-bit noise)": {"weights": True, "weight_rounding": "stochastic"},
+    "qgZ fp8": {"gradients": True, "gradient_codes": "fp8", "intra_node_gradients": True, "gradient_rounding": "nearest"},
+    "qwZ+qgZ fp8": {"weights": True, "weight_rounding": "stochastic", "gradients": True, "gradient_codes": "fp8",
+                    "intra_node_gradients": True, "gradient_rounding": "nearest"},
+    # fp8 codes rounded stochastically too (the rounding's default)
+    "qgZ fp8 SR": {"gradients": True, "gradient_codes": "fp8", "intra_node_gradients": True},
+    "qwZ+qgZ fp8 SR": {"weights": True, "gradients": True, "gradient_codes": "fp8", "intra_node_gradients": True},
     # qwZ's weights with 4x the scales (0.6% error per element at block 64 against 0.7% at 256)
     "qwZ block 64": {**NEAREST, "weights": True, "exact_backward_weights": True, "block_size": 64},
     # A control, not a ZeRO++ mode: the baseline with every initial weight scaled by (1 + 1e-6 x N(0, 1)) (about

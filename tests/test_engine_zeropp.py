@@ -78,6 +78,8 @@ CASES = [
     {"quantize": {**NEAREST, "weights": True, "exact_backward_weights": True}},  # 10: qwZ, the backward gathering fp32
     {"quantize": {"weights": True, "gradients": True}, "hpz_partition_size": 2},  # 11: case 4, rounded stochastically (the default)
     {"quantize": {"weights": True, "gradients": True}, "hpz_partition_size": 2},  # 12: case 11 again
+    {"quantize": {"gradients": True, "gradient_codes": "fp8", "intra_node_gradients": True}},  # 13: qgZ fp8, ZeRO++'s form
+    {"quantize": {"gradients": True, "gradient_codes": "fp8", "intra_node_gradients": True}},  # 14: case 13 again
 ]
 
 
@@ -89,7 +91,7 @@ def runs() -> list[list[dict]]:
 def test_reduced_gradients_are_within_the_code_of_the_exact_ones(runs: list[list[dict]]) -> None:
     for rank in runs:
         base, base2 = rank[0]["shards"], rank[5]["shards"]
-        for i, bound in ((1, 0.05), (2, 0.02), (3, 0.3), (4, 0.05), (11, 0.1)):
+        for i, bound in ((1, 0.05), (2, 0.02), (3, 0.3), (4, 0.05), (11, 0.1), (13, 0.05)):
             for got, want in zip(rank[i]["shards"], base, strict=True):
                 assert _rel(got, want) < bound, (i, _rel(got, want))
         assert max(_rel(g, w) for g, w in zip(rank[2]["shards"], base)) > 0  # it did quantize
@@ -103,15 +105,18 @@ def test_reduced_gradients_are_within_the_code_of_the_exact_ones(runs: list[list
 def test_losses_stay_close_to_the_unquantized_run_and_repeat_exactly(runs: list[list[dict]]) -> None:
     for rank in runs:
         base = rank[0]["losses"]
-        for i in (1, 2, 3, 4, 7, 9, 10, 11):
+        for i in (1, 2, 3, 4, 7, 9, 10, 11, 13):
             assert max(abs(a - b) / b for a, b in zip(rank[i]["losses"], base)) < 0.02, i
-        for i, again in ((4, 8), (11, 12)):  # a fixed seed: the same losses run to run, stochastic rounding's too
+        for i, again in ((4, 8), (11, 12), (13, 14)):  # a fixed seed: the same losses run to run, stochastic rounding's too
             assert rank[i]["losses"] == rank[again]["losses"], i
             assert rank[i]["state"].keys() == rank[again]["state"].keys()
             for name, t in rank[i]["state"].items():
                 assert torch.equal(t, rank[again]["state"][name]), (i, name)
         assert rank[11]["losses"] != rank[4]["losses"]  # it rounds otherwise ...
         assert rank[11]["bytes"] == rank[4]["bytes"]  # ... and moves the same bytes
+        # fp8 codes: other values than int8's, the same bytes under their own name
+        assert rank[13]["losses"] != rank[2]["losses"]
+        assert rank[13]["bytes"] == {k.replace("int8", "fp8"): v for k, v in rank[2]["bytes"].items()}
 
 
 def test_quantized_collectives_keep_their_buffers_for_the_next_step(runs: list[list[dict]]) -> None:
@@ -119,7 +124,7 @@ def test_quantized_collectives_keep_their_buffers_for_the_next_step(runs: list[l
     pages cost more than quantizing on CPU); an unquantized run has none."""
     for rank in runs:
         assert rank[0]["cached"] == rank[5]["cached"] == 0
-        assert all(rank[i]["cached"] > 0 for i in (1, 2, 3, 4, 6, 7, 8, 9, 10, 11))
+        assert all(rank[i]["cached"] > 0 for i in (1, 2, 3, 4, 6, 7, 8, 9, 10, 11, 13))
 
 
 def test_bytes_by_link_class_equal_the_formulas(runs: list[list[dict]]) -> None:
@@ -296,6 +301,13 @@ def test_bad_quantize_settings_fail_before_any_work() -> None:
         ZeroConfig(stage=3, quantize={"weights": True, "weight_rounding": "up"})
     with pytest.raises(ConfigError, match="quantize.gradient_rounding: must be 'nearest' or 'stochastic', got True"):
         ZeroConfig(stage=3, quantize={"gradients": True, "gradient_rounding": True})
+    with pytest.raises(ConfigError, match="quantize.gradient_codes: must be 'int' or 'fp8', got 'e5m2'"):
+        ZeroConfig(stage=3, quantize={"gradients": True, "gradient_codes": "e5m2"})
+    with pytest.raises(ConfigError, match="quantize.gradient_bits: fp8 gradient codes have 8 bits, got 4"):
+        ZeroConfig(stage=3, quantize={"gradients": True, "gradient_codes": "fp8", "gradient_bits": 4})
+    fp8 = load_config({"zero_optimization": {"stage": 3, "zero_quantized_gradients": True,
+                                             "zeroray_quantize_gradient_codes": "fp8"}}).quantize
+    assert fp8.gradient_codes == "fp8" and fp8.gradient_rounding == "stochastic"
     cfg = load_config({"zero_optimization": {"stage": 3, "zero_quantized_weights": True, "zero_quantized_gradients": True,
                                              "zeroray_quantize_gradient_bits": 4,
                                              "zeroray_quantize_intra_node_gradients": False,

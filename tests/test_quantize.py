@@ -106,6 +106,70 @@ def test_bad_quantizer_settings() -> None:
         BlockQuantizer(3, 64)
     with pytest.raises(ValueError, match="block must be a power of two >= 8, got 100"):
         BlockQuantizer(8, 100)
+    with pytest.raises(ValueError, match="codes must be 'int' or 'fp8', got 'e5m2'"):
+        BlockQuantizer(8, 64, "e5m2")
+    with pytest.raises(ValueError, match="fp8 codes have 8 bits, got bits=4"):
+        BlockQuantizer(4, 64, "fp8")
+
+
+@pytest.mark.parametrize("n", [7, 256, 1000])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_codes_keep_each_element_within_a_sixteenth_of_itself(n: int, dtype: torch.dtype) -> None:
+    """e4m3 codes of value / scale (scale = the block's largest / 448): each element within 1/16 of itself, or
+    within 2**-10 scale below e4m3's normal range, so the block's small elements keep their size, where int8
+    gives the small ones a large error relative to themselves (what shrinks Adam's step on them)."""
+    q, q8 = BlockQuantizer(8, 64, "fp8"), BlockQuantizer(8, 64)
+    x = (torch.randn(3, n, generator=torch.Generator().manual_seed(n)) * torch.logspace(-3, 2, n)).to(dtype)
+    packed = q.quantize(x)
+    assert packed.shape == (3, q.row_bytes(n)) and q.row_bytes(n) == q8.row_bytes(n)
+    blocks = _padded_blocks(x, q)
+    scale = blocks.abs().amax(-1, keepdim=True) / 448
+    want = (blocks * scale.reciprocal()).to(torch.float8_e4m3fn).view(torch.uint8).view(3, -1)
+    assert torch.equal(packed[:, : q.code_bytes(n)], want)  # the float8 conversion's codes ...
+    assert torch.equal(packed[:, q.code_bytes(n) :].view(torch.float32), scale.view(3, -1))  # ... and the scales
+    y = _padded_blocks(q.dequantize(packed, n), q)
+    err = (y - blocks).abs()
+    assert bool((err <= torch.maximum(blocks.abs() / 16, scale * 2**-10) * (1 + 1e-6)).all())
+    small = (blocks != 0) & (blocks.abs() < scale * 448 / 100)  # under a hundredth of their block's largest
+    y8 = _padded_blocks(q8.dequantize(q8.quantize(x), n), q)
+    rel, rel8 = (err / blocks.abs())[small], ((y8 - blocks).abs() / blocks.abs())[small]
+    assert float(rel.mean()) < 0.05 < float(rel8.mean()), (float(rel.mean()), float(rel8.mean()))
+
+
+def test_fp8_stochastic_rounding_is_unbiased_and_within_one_code() -> None:
+    """Noise rounds each fp8 code to one of the two e4m3 values around value / scale, up with a probability
+    equal to the fraction: over many draws the mean is the value, where rounding to nearest keeps its error."""
+    q = BlockQuantizer(8, 64, "fp8")
+    x = torch.randn(2, 300, generator=torch.Generator().manual_seed(5)) * torch.logspace(-2, 0, 300)
+    nearest = q.dequantize(q.quantize(x), 300)
+    noise, pool, total, draws = Draws(), ScratchPool(), torch.zeros(2, 300), 2000
+    for _ in range(draws):
+        u = noise.uniform("0/h.0/grad", q.padded_numel(x), torch.device("cpu"), pool)
+        y = q.dequantize(q.quantize(x, noise=u), 300)
+        pool.give(u)
+        noise.micro_batch += 1
+        assert bool(((y - x).abs() <= x.abs() / 8 * (1 + 1e-6)).all())  # one e4m3 step: 1/8 of the value at most
+        total += y
+    bias, rtn = float((total / draws - x).abs().mean()), float((nearest - x).abs().mean())
+    assert bias < rtn / 5, (bias, rtn)
+    down = q.dequantize(q.quantize(x, noise=torch.zeros(q.padded_numel(x))), 300)
+    up = q.dequantize(q.quantize(x, noise=torch.full((q.padded_numel(x),), 1 - 2**-24)), 300)
+    tol = 1 + 1e-6  # x * (1 / scale) * scale is x within an ulp or two
+    assert bool((down.abs() <= x.abs() * tol).all()) and bool((up.abs() * tol >= x.abs()).all())  # toward / away from 0
+    assert not torch.equal(down, up)
+    # each block's largest value, 448 codes' worth (a hair above after x * inv), never rounds up past e4m3's 448
+    assert bool(torch.isfinite(up).all())
+    assert bool((_padded_blocks(up, q).abs().amax(-1) <= _padded_blocks(x, q).abs().amax(-1) * (1 + 1e-6)).all())
+
+
+def test_an_fp8_block_with_inf_or_nan_dequantizes_non_finite_and_leaves_the_others_exact() -> None:
+    q = BlockQuantizer(8, 64, "fp8")
+    x = torch.randn(1, 256)
+    x[0, 3], x[0, 200] = float("inf"), float("nan")
+    y = q.dequantize(q.quantize(x), 256).view(4, 64)
+    assert not torch.isfinite(y[0]).any() and not torch.isfinite(y[3]).any()
+    assert torch.equal(y[1:3], q.dequantize(q.quantize(x.view(4, 64)[1:3].reshape(1, -1)), 128).view(2, 64))
+    assert torch.equal(q.dequantize(q.quantize(torch.zeros(2, 100)), 100), torch.zeros(2, 100))
 
 
 def test_node_runs_finds_equal_node_major_layouts_only() -> None:
@@ -127,9 +191,9 @@ def _inputs(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(N * S, generator=g) * (1 + rank), torch.randn(S, generator=g)
 
 
-def _expected(bits: int, hierarchical: bool, quantize_node: bool = True) -> tuple[torch.Tensor, ...]:
+def _expected(bits: int, hierarchical: bool, quantize_node: bool = True, codes: str = "int") -> tuple[torch.Tensor, ...]:
     """Every rank's reduced shard, by the quantizer applied by hand to every rank's input."""
-    q = BlockQuantizer(bits, BLOCK)
+    q = BlockQuantizer(bits, BLOCK, codes)
     full = [_inputs(r)[0].view(N, S) for r in range(N)]
 
     def qd(x: torch.Tensor) -> torch.Tensor:
@@ -146,15 +210,15 @@ def _expected(bits: int, hierarchical: bool, quantize_node: bool = True) -> tupl
     return tuple(out)
 
 
-def _collectives(rank: int, world: int, bits: int) -> dict:
+def _collectives(rank: int, world: int, bits: int, codes: str) -> dict:
     nodes = ["a", "a", "b", "b"]
     topo = Topology.build(dist.group.WORLD, CommConfig(), nodes=nodes, node_levels=True)
     full, shard = _inputs(rank)
     out = {}
-    for name, rs in (("one", QuantizedReduceScatter(bits, BLOCK, topo.shard)),
-                     ("two", QuantizedReduceScatter(bits, BLOCK, topo.shard, topo.node, topo.cross)),
+    for name, rs in (("one", QuantizedReduceScatter(bits, BLOCK, topo.shard, codes=codes)),
+                     ("two", QuantizedReduceScatter(bits, BLOCK, topo.shard, topo.node, topo.cross, codes=codes)),
                      ("mixed", QuantizedReduceScatter(bits, BLOCK, topo.shard, topo.node, topo.cross,
-                                                      quantize_node=False))):
+                                                      quantize_node=False, codes=codes))):
         topo.reset()
         reduced = torch.empty(S)
         rs.reduce_scatter(reduced, full.clone(), "g").wait()
@@ -168,12 +232,13 @@ def _collectives(rank: int, world: int, bits: int) -> dict:
     return out
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-def test_quantized_reduce_scatter_and_gather_equal_the_quantizer_by_hand(bits: int) -> None:
-    res = run_ranks(_collectives, N, bits)
-    q, q8 = BlockQuantizer(bits, BLOCK), BlockQuantizer(8, BLOCK)
-    row = q.row_bytes(S)
-    one, two, mixed = _expected(bits, False), _expected(bits, True), _expected(bits, True, quantize_node=False)
+@pytest.mark.parametrize(("bits", "codes"), [(4, "int"), (8, "int"), (8, "fp8")])
+def test_quantized_reduce_scatter_and_gather_equal_the_quantizer_by_hand(bits: int, codes: str) -> None:
+    res = run_ranks(_collectives, N, bits, codes)
+    q, q8 = BlockQuantizer(bits, BLOCK, codes), BlockQuantizer(8, BLOCK)
+    row, kind = q.row_bytes(S), "all_to_all_fp8" if codes == "fp8" else f"all_to_all_int{bits}"
+    one, two = _expected(bits, False, codes=codes), _expected(bits, True, codes=codes)
+    mixed = _expected(bits, True, quantize_node=False, codes=codes)
     for rank, r in enumerate(res):
         assert torch.equal(r["one"][0], one[rank])
         assert torch.equal(r["two"][0], two[rank])
@@ -183,13 +248,13 @@ def test_quantized_reduce_scatter_and_gather_equal_the_quantizer_by_hand(bits: i
         assert error["mixed"] < error["two"], error
         # Accuracy against the exact sum: relative to the largest input block a step of the code.
         rel = float((r["two"][0] - r["exact"]).norm() / r["exact"].norm())
-        assert rel < (0.02 if bits == 8 else 0.3), rel
+        assert rel < {(8, "int"): 0.02, (8, "fp8"): 0.05, (4, "int"): 0.3}[bits, codes], rel
         # One level: the whole buffer through one all-to-all spanning the nodes.
-        assert r["one"][1] == {f"inter_node:all_to_all_int{bits}": N * row}
+        assert r["one"][1] == {f"inter_node:{kind}": N * row}
         # Two levels: the whole buffer inside the node, then one row per node across (N/m = 2 rows).
-        assert r["two"][1] == {f"intra_node:all_to_all_int{bits}": N * row, f"inter_node:all_to_all_int{bits}": 2 * row}
+        assert r["two"][1] == {f"intra_node:{kind}": N * row, f"inter_node:{kind}": 2 * row}
         # fp32 inside the node: the whole buffer in fp32 there, the same quantized rows across.
-        assert r["mixed"][1] == {"intra_node:all_to_all": N * S * 4, f"inter_node:all_to_all_int{bits}": 2 * row}
+        assert r["mixed"][1] == {"intra_node:all_to_all": N * S * 4, f"inter_node:{kind}": 2 * row}
         want = torch.cat([q8.dequantize(q8.quantize(_inputs(s)[1].to(torch.bfloat16).view(1, S)), S)[0] for s in range(N)])
         assert torch.equal(r["gather"][0], want.to(torch.bfloat16))  # every rank, its own shard too
         assert r["gather"][1] == {"inter_node:all_gather_int8": N * q8.row_bytes(S)}
@@ -204,9 +269,12 @@ def test_stochastic_rounding_is_unbiased_and_within_one_step(bits: int) -> None:
     blocks = _padded_blocks(x, q)
     step = blocks.abs().amax(-1, keepdim=True) / q.qmax
     nearest = q.dequantize(q.quantize(x), 300)
-    gen, total, draws = torch.Generator().manual_seed(4), torch.zeros(2, 300), 4000
-    for _ in range(draws):
-        y = q.dequantize(q.quantize(x, noise=torch.rand(2, q.blocks(300) * 64, generator=gen)), 300)
+    noise, pool, total, draws = Draws(), ScratchPool(), torch.zeros(2, 300), 4000
+    for _ in range(draws):  # the engine's noise, fresh each micro-batch
+        u = noise.uniform("0/h.0", q.padded_numel(x), torch.device("cpu"), pool)
+        y = q.dequantize(q.quantize(x, noise=u), 300)
+        pool.give(u)
+        noise.micro_batch += 1
         assert bool(((_padded_blocks(y, q) - blocks).abs() <= step * (1 + 1e-6)).all())
         total += y
     bias, rtn = float((total / draws - x).abs().mean()), float((nearest - x).abs().mean())
@@ -215,6 +283,18 @@ def test_stochastic_rounding_is_unbiased_and_within_one_step(bits: int) -> None:
     down = q.dequantize(q.quantize(x, noise=torch.zeros(2, q.blocks(300) * 64)), 300)
     up = q.dequantize(q.quantize(x, noise=torch.full((2, q.blocks(300) * 64), 1 - 2**-24)), 300)
     assert bool((down <= x).all()) and bool((up >= x).all()) and not torch.equal(down, up)
+
+
+def test_draws_are_uniform_on_256_levels() -> None:
+    """Every byte of the random words is used, so each level (k + 0.5) / 256 comes up alike, and the mean is
+    1/2 (a draw that left the words' sign bit at 0 would give 0.469)."""
+    u = Draws().uniform("0/h.0", 1 << 18, torch.device("cpu"), ScratchPool()).view(-1)
+    levels = u * 256 - 0.5
+    assert torch.equal(levels, levels.round())
+    counts = torch.bincount(levels.long(), minlength=256)
+    assert counts.numel() == 256 and int(counts.min()) > 0.8 * 1024 and int(counts.max()) < 1.2 * 1024
+    for byte in range(8):  # each byte of the words, on its own
+        assert abs(float(u.view(-1, 8)[:, byte].mean()) - 0.5) < 0.01
 
 
 def test_draws_are_a_function_of_the_key_and_the_micro_batch() -> None:

@@ -175,6 +175,9 @@ TABLE: dict[str, Entry] = {
     ),
     "zero_optimization.zeroray_quantize_block_size": Field("quantize.block_size", _int, note="zeroray's own"),
     "zero_optimization.zeroray_quantize_gradient_bits": Field("quantize.gradient_bits", _int, note="zeroray's own"),
+    "zero_optimization.zeroray_quantize_gradient_codes": Field(
+        "quantize.gradient_codes", note="zeroray's own: 'int' (DeepSpeed's) or 'fp8' (float8 e4m3) codes for qgZ"
+    ),
     "zero_optimization.zeroray_quantize_exact_backward_weights": Field(
         "quantize.exact_backward_weights", note="zeroray's own: True gathers the backward's weights in full precision under qwZ"
     ),

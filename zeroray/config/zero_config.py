@@ -261,9 +261,11 @@ class QuantizeConfig:
     only the node's sum, once, before it crosses nodes (False: a third of the quantizing work and one rounding
     instead of two, for 4x the bytes on the node's own links). None (the default) picks by device: False on
     CPU, where quantizing costs more than the node's links save (docs/multi-node.md), True on CUDA. Masters and
-    optimizer states stay full precision. ``weight_rounding`` / ``gradient_rounding``: how codes are rounded,
-    ``"stochastic"`` (the default: unbiased, from seeded draws, zeroray.engine.rounding; the form that kept the
-    convergence study's curves within 2% of the unquantized one) or ``"nearest"`` (DeepSpeed's)."""
+    optimizer states stay full precision. ``gradient_codes``: qgZ's codes, ``"int"`` (``gradient_bits``-bit
+    integers, DeepSpeed's) or ``"fp8"`` (float8 e4m3 with the block's scale, 8 bits: an error relative to each
+    element instead of to its block's largest). ``weight_rounding`` / ``gradient_rounding``: how codes are
+    rounded, ``"stochastic"`` (the default: unbiased, from seeded draws, zeroray.engine.rounding; the form that
+    kept the convergence study's curves within 2% of the unquantized one) or ``"nearest"`` (DeepSpeed's)."""
 
     weights: bool = False
     gradients: bool = False
@@ -271,6 +273,7 @@ class QuantizeConfig:
     gradient_bits: int = 8
     intra_node_gradients: bool | None = None
     exact_backward_weights: bool = False
+    gradient_codes: str = "int"
     weight_rounding: str = "stochastic"
     gradient_rounding: str = "stochastic"
 
@@ -287,6 +290,10 @@ class QuantizeConfig:
         for name in ("weight_rounding", "gradient_rounding"):
             if getattr(self, name) not in ("nearest", "stochastic"):
                 yield f"quantize.{name}", f"must be 'nearest' or 'stochastic', got {getattr(self, name)!r}"
+        if self.gradient_codes not in ("int", "fp8"):
+            yield "quantize.gradient_codes", f"must be 'int' or 'fp8', got {self.gradient_codes!r}"
+        elif self.gradient_codes == "fp8" and self.gradient_bits != 8:
+            yield "quantize.gradient_bits", f"fp8 gradient codes have 8 bits, got {self.gradient_bits!r}"
         if self.weights is True and stage != 3:
             yield "quantize.weights", (
                 f"qwZ quantizes stage 3's parameter gathers; it needs stage 3, got stage {stage!r}"

@@ -296,7 +296,7 @@ def _lay_out(
         qgz = QuantizedReduceScatter(
             quantize.gradient_bits, quantize.block_size, topology.shard, topology.node, topology.cross, kernels,
             quantize_node=quantize.intra_node_gradients if quantize.intra_node_gradients is not None else device.type != "cpu",
-            draws=draws if quantize.gradient_rounding == "stochastic" else None,
+            draws=draws if quantize.gradient_rounding == "stochastic" else None, codes=quantize.gradient_codes,
         )
     unit_groups: dict[int | None, list[FlatGroup]] = {}
     pending: list[FlatGroup] = []  # stage 3: groups with meta parameters, installed once initialized

@@ -22,8 +22,13 @@
   the node's own links, which is the better trade where those are fast and the cores are few. With
   ``draws`` every quantization of it is rounded stochastically.
 
+With ``codes="fp8"`` qgZ's rows are float8 e4m3 codes with the block's scale instead of integers: the same
+bytes as int8, and an error relative to each element (at most 1/16) instead of to its block's largest, so the
+many small gradients of a block keep their size; Adam divides each element's step by its own gradient's
+size, and int8's error on the small ones measured as a lag in the convergence study.
+
 Byte counts (``comm_report``), B = ``BlockQuantizer.row_bytes``, S the shard's elements, N the group size:
-qwZ counts ``all_gather_int8`` = N x B(S) a gather; qgZ counts ``all_to_all_int<bits>`` = N x B(S) in one level, or
+qwZ counts ``all_gather_int8`` = N x B(S) a gather; qgZ counts ``all_to_all_int<bits>`` (``all_to_all_fp8``) = N x B(S) in one level, or
 N x B(S) inside the node plus (N/m) x B(S) across nodes when hierarchical (scales included); with
 ``quantize_node=False`` the node's stage counts ``all_to_all`` = N x S x 4 (fp32) instead.
 """
@@ -75,16 +80,17 @@ class QuantizedReduceScatter:
     all-to-alls. ``node`` and ``cross`` (both or neither): the ranks of this rank's node among ``comm``'s
     (its rank there = its place in the node) and the ranks at its place on every node (its rank there = its
     node's index), for the hierarchical form; ``comm``'s ranks must then be node-major. ``quantize_node``:
-    whether the hierarchical form quantizes its stage inside the node too (ZeRO++'s form) or sends it in fp32."""
+    whether the hierarchical form quantizes its stage inside the node too (ZeRO++'s form) or sends it in fp32.
+    ``codes``: ``"int"`` (``bits``-bit integers) or ``"fp8"`` (float8 e4m3 with the block's scale, 8 bits)."""
 
     def __init__(
         self, bits: int, block: int, comm: Comm, node: Comm | None = None, cross: Comm | None = None,
-        compiled: bool = False, quantize_node: bool = True, draws: Draws | None = None,
+        compiled: bool = False, quantize_node: bool = True, draws: Draws | None = None, codes: str = "int",
     ):
         if (node is None) != (cross is None) or (node is not None and node.world_size * cross.world_size != comm.world_size):
             raise ValueError("a hierarchical qgZ needs a node and a cross-node group whose sizes multiply to the group's")
-        self.quantizer = QuantizeKernels(BlockQuantizer(bits, block), compiled)
-        self.kind = f"all_to_all_int{bits}"
+        self.quantizer = QuantizeKernels(BlockQuantizer(bits, block, codes), compiled)
+        self.kind = "all_to_all_fp8" if codes == "fp8" else f"all_to_all_int{bits}"
         self.comm, self.node, self.cross = comm, node, cross
         self.quantize_node = quantize_node
         self.draws = draws  # stochastic rounding; None: to nearest
