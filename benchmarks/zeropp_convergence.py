@@ -523,6 +523,8 @@ def _draw(curves: list[tuple[str, dict[str, Any], dict[str, Any]]], from_step: i
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 7.5), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+    for ax in (ax1, ax2):  # 20 colours: the studies hold more than 10 modes
+        ax.set_prop_cycle(color=plt.get_cmap("tab20").colors)
     for name, m, style in curves:
         steps = range(1, len(m["smoothed"]) + 1)
         ax1.plot(steps, m["smoothed"], label=name, **style)
