@@ -109,6 +109,7 @@ MODES: dict[str, dict[str, Any]] = {
     # qgZ's fp8 (e4m3) codes keep each gradient's size relative to itself: int8's error on a block's small
     # gradients shrinks Adam's step there (the qgZ lag)
     "qwZ SR (8-bit noise)": {"weights": True, "weight_rounding": "stochastic"},
+    "qwZ+qgZ int8 SR (8-bit noise)": {"weights": True, "gradients": True, "gradient_bits": 8, "intra_node_gradients": True},
     "qgZ fp8": {"gradients": True, "gradient_codes": "fp8", "intra_node_gradients": True, "gradient_rounding": "nearest"},
     "qwZ+qgZ fp8": {"weights": True, "weight_rounding": "stochastic", "gradients": True, "gradient_codes": "fp8",
                     "intra_node_gradients": True, "gradient_rounding": "nearest"},
