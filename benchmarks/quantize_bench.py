@@ -32,6 +32,7 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -133,6 +134,13 @@ def errors(q: BlockQuantizer, rows: torch.Tensor) -> tuple[float, float]:
     return (err.mean() / rows.abs().mean()).item(), (err[mask] / block_max[mask]).max().item()
 
 
+def hierarchical_sum(qd: Callable[[torch.Tensor], torch.Tensor], grads: list[torch.Tensor]) -> torch.Tensor:
+    """qgZ's hierarchical sum over WORLD ranks' rows, each quantization done by ``qd`` (quantize, dequantize):
+    inside each node, then across, the node's partial sums requantized."""
+    partials = [sum(qd(grads[j * PER_NODE + i]) for i in range(PER_NODE)) for j in range(WORLD // PER_NODE)]
+    return sum(qd(p) for p in partials)
+
+
 def reduced_error(q: BlockQuantizer, grads: list[torch.Tensor], hierarchical: bool) -> float:
     """mean |sum - qgZ's sum| / mean |sum| over WORLD ranks' gradient rows (each ``grads[r]`` is (WORLD, S))."""
     exact = torch.stack(grads).sum(0)
@@ -141,11 +149,7 @@ def reduced_error(q: BlockQuantizer, grads: list[torch.Tensor], hierarchical: bo
     def qd(x: torch.Tensor) -> torch.Tensor:
         return q.dequantize(q.quantize(x), n).view_as(x)
 
-    if hierarchical:  # inside each node, then across: the partial sums are requantized
-        partials = [sum(qd(grads[j * PER_NODE + i]) for i in range(PER_NODE)) for j in range(WORLD // PER_NODE)]
-        got = sum(qd(p) for p in partials)
-    else:
-        got = sum(qd(g) for g in grads)
+    got = hierarchical_sum(qd, grads) if hierarchical else sum(qd(g) for g in grads)
     return ((got - exact).abs().mean() / exact.abs().mean()).item()
 
 
@@ -161,8 +165,7 @@ def adam_step_kept(q: BlockQuantizer, grads: list[torch.Tensor]) -> float:
 
     m1, m2 = torch.zeros_like(exact), torch.zeros_like(exact)
     for _ in range(KEPT_DRAWS):
-        partials = [sum(qd(grads[j * PER_NODE + i]) for i in range(PER_NODE)) for j in range(WORLD // PER_NODE)]
-        got = sum(qd(p) for p in partials)
+        got = hierarchical_sum(qd, grads)
         m1 += got / KEPT_DRAWS
         m2 += got * got / KEPT_DRAWS
         draws.micro_batch += 1
