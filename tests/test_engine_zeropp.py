@@ -80,6 +80,7 @@ CASES = [
     {"quantize": {"weights": True, "gradients": True}, "hpz_partition_size": 2},  # 12: case 11 again
     {"quantize": {"gradients": True, "gradient_codes": "fp8", "intra_node_gradients": True}},  # 13: qgZ fp8, ZeRO++'s form
     {"quantize": {"gradients": True, "gradient_codes": "fp8", "intra_node_gradients": True}},  # 14: case 13 again
+    {"quantize": {"weights": True, "gradients": True}},  # 15: case 11 without hpZ
 ]
 
 
@@ -112,6 +113,10 @@ def test_losses_stay_close_to_the_unquantized_run_and_repeat_exactly(runs: list[
             assert rank[i]["state"].keys() == rank[again]["state"].keys()
             for name, t in rank[i]["state"].items():
                 assert torch.equal(t, rank[again]["state"][name]), (i, name)
+        # hpZ changes where the backward gathers from, not what: full ZeRO++ trains as qwZ + qgZ do, draws included
+        # (so the convergence study's qwZ + qgZ curves are full ZeRO++'s).
+        assert rank[11]["losses"] == rank[15]["losses"]
+        assert rank[11]["bytes"] != rank[15]["bytes"]
         assert rank[11]["losses"] != rank[4]["losses"]  # it rounds otherwise ...
         assert rank[11]["bytes"] == rank[4]["bytes"]  # ... and moves the same bytes
         # fp8 codes: other values than int8's, the same bytes under their own name
