@@ -515,7 +515,7 @@ def _across_seeds(runs: dict[str, Any], summary: dict[str, Any], steps: int, fro
                               "max_gap": after[i], "max_gap_step": from_step + i, "max_gap_se": se[from_step + i],
                               "steps_ahead": steps_ahead(moving_average(curve, SMOOTH), base_ma, from_step + i),
                               "beyond_2se": sum(abs(g) > 2 * e for g, e in zip(gaps[from_step:], se[from_step:])),
-                              "gaps": gaps, "smoothed": moving_average(curve, SMOOTH)}
+                              "gaps": gaps, "se": se, "smoothed": moving_average(curve, SMOOTH)}
     return out
 
 
@@ -523,9 +523,9 @@ BASELINE_STYLE = {"color": "black", "linewidth": 2.2, "linestyle": "--", "zorder
 
 
 def _draw(curves: list[tuple[str, dict[str, Any], dict[str, Any]]], from_step: int, title: str, loss_label: str,
-          gap_label: str, png: Path) -> None:
+          gap_label: str, png: Path, bands: frozenset[str] = frozenset()) -> None:
     """Smoothed loss curves above, their gaps to the baseline below (2% lines, the warm-up's end): one line per
-    (name, {"smoothed", "gaps"}, matplotlib style)."""
+    (name, {"smoothed", "gaps"}, matplotlib style); the curves named in ``bands`` get their ±2 SE shaded."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -538,7 +538,11 @@ def _draw(curves: list[tuple[str, dict[str, Any], dict[str, Any]]], from_step: i
         steps = range(1, len(m["smoothed"]) + 1)
         ax1.plot(steps, m["smoothed"], label=name, **style)
         if _seed_of(name)[0] != "baseline":
-            ax2.plot(steps, [100 * g for g in m["gaps"]], label=name, **style)
+            line, = ax2.plot(steps, [100 * g for g in m["gaps"]], label=name, **style)
+            if name in bands:  # the mean gap ± 2 standard errors over the seeds
+                ax2.fill_between(steps, [100 * (g - 2 * e) for g, e in zip(m["gaps"], m["se"])],
+                                 [100 * (g + 2 * e) for g, e in zip(m["gaps"], m["se"])],
+                                 color=line.get_color(), alpha=0.2, linewidth=0, label=f"{name}: ±2 SE")
     ax1.set_ylabel(loss_label)
     ax1.set_yscale("log")
     ax1.set_title(title, fontsize=10)
@@ -711,7 +715,9 @@ def report(payload: dict[str, Any], out: Path = OUT) -> str:
     if notes.exists():  # the findings, written by hand after a run
         lines += ["", notes.read_text().strip()]
     plots = ([f"convergence.png (seed {SEED}: smoothed curves; gap to baseline)"] if SEED in seeds else []) + (
-        ["convergence_seeds.png (the means over the seeds)"] if ana["seeds"] else [])
+        ["convergence_seeds.png (the means over the seeds)"] if ana["seeds"] else []) + (
+        ["convergence_shipped.png (the shipped default forms' means, full ZeRO++'s ±2 SE shaded)"]
+        if "qwZ+qgZ int8 SR (8-bit noise)" in (ana["seeds"] or {}).get("modes", {}) else [])
     lines += ["", "Raw per-step losses (global and per rank) and step times: convergence.json. "
               f"Plots: {', '.join(plots)}.", ""]
     return "\n".join(lines)
@@ -790,10 +796,31 @@ def plot_seeds(ana: dict[str, Any], png: Path, batch: int) -> None:
     seeds = ana["seeds"]
     curves = [(mode, m, BASELINE_STYLE if mode == "baseline" else {}) for mode, m in seeds["modes"].items()]
     _draw(curves, ana["from_step"],
-          f"ZeRO++ convergence, each mode's mean over its seeds (of {', '.join(map(str, seeds['seeds']))}): "
-          f"byte-level GPT, stage 3,\nworld 4 on 2 emulated nodes, fp32, micro-batch {batch} per rank, block {BLOCK_SIZE}",
+          f"ZeRO++ convergence, each mode's mean over its seeds (up to {len(seeds['seeds'])}): byte-level GPT, "
+          f"stage 3,\nworld 4 on 2 emulated nodes, fp32, micro-batch {batch} per rank, block {BLOCK_SIZE}",
           f"train loss, mean over the seeds, {SMOOTH}-step trailing mean",
           "gap to the baseline's mean\nover the same seeds, %", png)
+
+
+# The shipped defaults: full ZeRO++, and each collective alone (stochastic rounding, 8-bit draws, int8 codes).
+SHIPPED = {"qwZ+qgZ int8 SR (8-bit noise)": ("full ZeRO++ (qwZ + qgZ)", {"color": "tab:blue", "linewidth": 1.8}),
+           "qwZ SR (8-bit noise)": ("qwZ alone", {"color": "tab:green", "linewidth": 1.2}),
+           "qgZ int8 SR": ("qgZ alone", {"color": "tab:orange", "linewidth": 1.2}),
+           "baseline perturbed 1e-6": ("control: 1e-6 perturbation, no quantization",
+                                       {"color": "grey", "linewidth": 1.2, "linestyle": ":"})}
+
+
+def plot_shipped(ana: dict[str, Any], png: Path, batch: int) -> None:
+    """The README's plot: the shipped default forms' mean curves, full ZeRO++'s ±2 SE band shaded."""
+    modes = ana["seeds"]["modes"]
+    curves = [("baseline", modes["baseline"], BASELINE_STYLE)] + [
+        (f"{label}, {len(modes[mode]['seeds'])} seeds", modes[mode], style)
+        for mode, (label, style) in SHIPPED.items() if mode in modes]
+    _draw(curves, ana["from_step"],
+          "ZeRO++ as shipped (int8, stochastic rounding): mean over seeds against the unquantized mean\n"
+          f"byte-level GPT, stage 3, world 4 on 2 emulated nodes, fp32, micro-batch {batch}, block {BLOCK_SIZE}",
+          f"train loss, mean over the seeds, {SMOOTH}-step trailing mean",
+          "gap to the baseline's mean\nover the same seeds, %", png, bands=frozenset({curves[1][0]}))
 
 
 def _base_name(name: str) -> str:
@@ -913,6 +940,8 @@ def main() -> None:
         plot(default_seed, payload["analysis"], out / "convergence.png", payload["meta"]["batch"])
     if payload["analysis"]["seeds"]:
         plot_seeds(payload["analysis"], out / "convergence_seeds.png", payload["meta"]["batch"])
+        if "qwZ+qgZ int8 SR (8-bit noise)" in payload["analysis"]["seeds"]["modes"]:
+            plot_shipped(payload["analysis"], out / "convergence_shipped.png", payload["meta"]["batch"])
     print(report(payload, out))
 
 
