@@ -717,7 +717,7 @@ def report(payload: dict[str, Any], out: Path = OUT) -> str:
     plots = ([f"convergence.png (seed {SEED}: smoothed curves; gap to baseline)"] if SEED in seeds else []) + (
         ["convergence_seeds.png (the means over the seeds)"] if ana["seeds"] else []) + (
         ["convergence_shipped.png (the shipped default forms' means, full ZeRO++'s ±2 SE shaded)"]
-        if "qwZ+qgZ int8 SR (8-bit noise)" in (ana["seeds"] or {}).get("modes", {}) else [])
+        if SHIPPED_FULL in (ana["seeds"] or {}).get("modes", {}) else [])
     lines += ["", "Raw per-step losses (global and per rank) and step times: convergence.json. "
               f"Plots: {', '.join(plots)}.", ""]
     return "\n".join(lines)
@@ -803,7 +803,8 @@ def plot_seeds(ana: dict[str, Any], png: Path, batch: int) -> None:
 
 
 # The shipped defaults: full ZeRO++, and each collective alone (stochastic rounding, 8-bit draws, int8 codes).
-SHIPPED = {"qwZ+qgZ int8 SR (8-bit noise)": ("full ZeRO++ (qwZ + qgZ)", {"color": "tab:blue", "linewidth": 1.8}),
+SHIPPED_FULL = "qwZ+qgZ int8 SR (8-bit noise)"
+SHIPPED = {SHIPPED_FULL: ("full ZeRO++ (qwZ + qgZ)", {"color": "tab:blue", "linewidth": 1.8}),
            "qwZ SR (8-bit noise)": ("qwZ alone", {"color": "tab:green", "linewidth": 1.2}),
            "qgZ int8 SR": ("qgZ alone", {"color": "tab:orange", "linewidth": 1.2}),
            "baseline perturbed 1e-6": ("control: 1e-6 perturbation, no quantization",
@@ -820,7 +821,7 @@ def plot_shipped(ana: dict[str, Any], png: Path, batch: int) -> None:
           "ZeRO++ as shipped (int8, stochastic rounding): mean over seeds against the unquantized mean\n"
           f"byte-level GPT, stage 3, world 4 on 2 emulated nodes, fp32, micro-batch {batch}, block {BLOCK_SIZE}",
           f"train loss, mean over the seeds, {SMOOTH}-step trailing mean",
-          "gap to the baseline's mean\nover the same seeds, %", png, bands=frozenset({curves[1][0]}))
+          "gap to the baseline's mean\nover the same seeds, %", png, bands=frozenset({curves[1][0]}))  # full ZeRO++'s
 
 
 def _base_name(name: str) -> str:
@@ -940,7 +941,7 @@ def main() -> None:
         plot(default_seed, payload["analysis"], out / "convergence.png", payload["meta"]["batch"])
     if payload["analysis"]["seeds"]:
         plot_seeds(payload["analysis"], out / "convergence_seeds.png", payload["meta"]["batch"])
-        if "qwZ+qgZ int8 SR (8-bit noise)" in payload["analysis"]["seeds"]["modes"]:
+        if SHIPPED_FULL in payload["analysis"]["seeds"]["modes"]:
             plot_shipped(payload["analysis"], out / "convergence_shipped.png", payload["meta"]["batch"])
     print(report(payload, out))
 
