@@ -495,7 +495,8 @@ def _across_seeds(runs: dict[str, Any], summary: dict[str, Any], steps: int, fro
         base = mean_curve("baseline", seeds)
         base_ma = moving_average(base, SMOOTH)
         curve = mean_curve(mode, seeds)
-        gaps = [(m - b) / b for m, b in zip(moving_average(curve, SMOOTH), base_ma)]
+        curve_ma = moving_average(curve, SMOOTH)
+        gaps = [(m - b) / b for m, b in zip(curve_ma, base_ma)]
         after = gaps[from_step:]
         i = max(range(len(after)), key=lambda j: abs(after[j]))
         per_seed = [(final(at[s]["losses"]) - final(by_mode["baseline"][s]["losses"])) / final(by_mode["baseline"][s]["losses"])
@@ -504,18 +505,19 @@ def _across_seeds(runs: dict[str, Any], summary: dict[str, Any], steps: int, fro
         seed_gaps = [summary[mode if s == SEED else _seeded(mode, s)]["gaps"] for s in seeds]
         se = [_std(list(g)) / math.sqrt(len(seeds)) for g in zip(*seed_gaps)]
         final_rel, final_se = (final(curve) - final(base)) / final(base), _std(per_seed) / math.sqrt(len(seeds))
+        after_se = se[from_step:]
         # The goals judged on the seeds' evidence: gap ± 2 SE wholly inside the goal, wholly outside, or neither.
-        band = [abs(g) + 2 * e for g, e in zip(gaps[from_step:], se[from_step:])]  # the widest: reported
+        band = [abs(g) + 2 * e for g, e in zip(after, after_se)]  # the widest: reported
         j = max(range(len(band)), key=band.__getitem__)
         out["modes"][mode] = {"seeds": seeds, "final_mean": final(curve), "final_rel": final_rel,
                               "per_seed_final_rel": per_seed, "final_rel_se": final_se,
                               "final_goal": judge([final_rel], [final_se], 0.01),
-                              "curve_goal": judge(gaps[from_step:], se[from_step:], 0.02),
+                              "curve_goal": judge(after, after_se, 0.02),
                               "band": band[j], "band_step": from_step + j,
                               "max_gap": after[i], "max_gap_step": from_step + i, "max_gap_se": se[from_step + i],
-                              "steps_ahead": steps_ahead(moving_average(curve, SMOOTH), base_ma, from_step + i),
-                              "beyond_2se": sum(abs(g) > 2 * e for g, e in zip(gaps[from_step:], se[from_step:])),
-                              "gaps": gaps, "se": se, "smoothed": moving_average(curve, SMOOTH)}
+                              "steps_ahead": steps_ahead(curve_ma, base_ma, from_step + i),
+                              "beyond_2se": sum(abs(g) > 2 * e for g, e in zip(after, after_se)),
+                              "gaps": gaps, "se": se, "smoothed": curve_ma}
     return out
 
 
@@ -717,7 +719,7 @@ def report(payload: dict[str, Any], out: Path = OUT) -> str:
     plots = ([f"convergence.png (seed {SEED}: smoothed curves; gap to baseline)"] if SEED in seeds else []) + (
         ["convergence_seeds.png (the means over the seeds)"] if ana["seeds"] else []) + (
         ["convergence_shipped.png (the shipped default forms' means, full ZeRO++'s ±2 SE shaded)"]
-        if SHIPPED_FULL in (ana["seeds"] or {}).get("modes", {}) else [])
+        if SHIPPED_FULL in ana["seeds"].get("modes", {}) else [])
     lines += ["", "Raw per-step losses (global and per rank) and step times: convergence.json. "
               f"Plots: {', '.join(plots)}.", ""]
     return "\n".join(lines)
