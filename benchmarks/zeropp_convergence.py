@@ -119,6 +119,8 @@ MODES: dict[str, dict[str, Any]] = {
     "qwZ+qgZ fp8 SR": {"weights": True, "gradients": True, "gradient_codes": "fp8", "intra_node_gradients": True},
     # qwZ's weights with 4x the scales (0.6% error per element at block 64 against 0.7% at 256)
     "qwZ block 64": {**NEAREST, "weights": True, "exact_backward_weights": True, "block_size": 64},
+    # qwZ's default form (stochastic rounding, 8-bit draws) with 4x the scales
+    "qwZ SR block 64 (8-bit noise)": {"weights": True, "weight_rounding": "stochastic", "block_size": 64},
     # A control, not a ZeRO++ mode: the baseline with every initial weight scaled by (1 + 1e-6 x N(0, 1)) (about
     # 8 fp32 ulps), to show how far a run drifts from the baseline from a perturbation far below any quantizer's
     # (the chaotic spread of this recipe's curves); run with --modes, not in "all".
