@@ -46,9 +46,18 @@ def _entry(rank: int, world: int, out_dir: str, fn: Callable, args: tuple, backe
 def run_ranks(fn: Callable[..., Any], world: int, *args: Any, backend: str = "gloo") -> list[Any]:
     """``fn(rank, world, *args)`` on ``world`` new processes; returns each rank's result.
 
-    ``backend="nccl"`` puts rank r on CUDA device r (mod the count) first."""
+    ``backend="nccl"`` puts rank r on CUDA device r (mod the count) first. If the wait is interrupted (a
+    test's timeout, Ctrl-C), the ranks still running are killed: none outlives the call."""
     mp.get_context("forkserver").set_forkserver_preload(_PRELOAD)
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_entry, args=(world, out_dir, fn, args, backend, dict(os.environ)), nprocs=world,
-                           join=True, start_method="forkserver")
+        ranks = mp.start_processes(_entry, args=(world, out_dir, fn, args, backend, dict(os.environ)),
+                                   nprocs=world, join=False, start_method="forkserver")
+        try:
+            while not ranks.join():
+                pass
+        finally:
+            for proc in ranks.processes:
+                if proc.is_alive():
+                    proc.kill()
+                proc.join()
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
