@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 from pathlib import Path
 
@@ -37,8 +38,14 @@ def test_interrupted_wait_kills_the_ranks(tmp_path: Path) -> None:
     world = 2
     started = threading.Event()
 
-    def watch() -> None:  # interrupts the main thread's wait once every rank runs
-        while not all((tmp_path / f"rank{r}").exists() for r in range(world)):
+    def waiting() -> bool:  # the main thread blocks in the ranks' join (not still starting them)
+        frame = sys._current_frames().get(threading.main_thread().ident)
+        while frame is not None and not (frame.f_code.co_name == "join" and frame.f_code.co_filename.endswith("spawn.py")):
+            frame = frame.f_back
+        return frame is not None
+
+    def watch() -> None:  # interrupts the main thread's wait once every rank runs and run_ranks waits on them
+        while not (all((tmp_path / f"rank{r}").exists() for r in range(world)) and waiting()):
             if started.wait(0.05):  # run_ranks returned or failed first
                 return
         signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR1)
