@@ -17,6 +17,7 @@ import ray
 
 from tests.support.exits import ExitWatch, exit_watch
 from zeroray.train.config import CheckpointConfig
+from zeroray.train.group.priority import RANK_RUNTIME_ENV
 from zeroray.train.group.rank_actor import ORPHAN_EXIT_CODE, RankActor
 from zeroray.train.run_spec import RankInfo, RunSpec
 
@@ -43,8 +44,9 @@ def _spec(tmp_path: Path, name: str) -> RunSpec:
 
 
 def _start_rank(tmp_path: Path, name: str) -> tuple[ray.actor.ActorHandle, int]:
-    """A RankActor as the worker group makes it, set up as rank 0 of a group of one, its loop started."""
-    actor = ray.remote(RankActor).options(num_cpus=0, max_restarts=0).remote(name, False)
+    """A RankActor as the worker group makes it (at the ranks' start priority: at Ray's worker niceness, 15, a
+    busy machine starves its start for a minute), set up as rank 0 of a group of one, its loop started."""
+    actor = ray.remote(RankActor).options(num_cpus=0, max_restarts=0, runtime_env=RANK_RUNTIME_ENV).remote(name, False)
     pid = ray.get(actor.node_info.remote(), timeout=120)["pid"]  # node_info does not count as the driver's call
     addr, port = ray.get(actor.rendezvous_address.remote(), timeout=60)
     info = RankInfo(world_rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0)
