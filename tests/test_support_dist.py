@@ -36,7 +36,7 @@ def _gone(pid: int) -> bool:
 
 def test_interrupted_wait_kills_the_ranks(tmp_path: Path) -> None:
     world = 2
-    started = threading.Event()
+    returned = threading.Event()
 
     def waiting() -> bool:  # the main thread blocks in the ranks' join (not still starting them)
         frame = sys._current_frames().get(threading.main_thread().ident)
@@ -46,7 +46,7 @@ def test_interrupted_wait_kills_the_ranks(tmp_path: Path) -> None:
 
     def watch() -> None:  # interrupts the main thread's wait once every rank runs and run_ranks waits on them
         while not (all((tmp_path / f"rank{r}").exists() for r in range(world)) and waiting()):
-            if started.wait(0.05):  # run_ranks returned or failed first
+            if returned.wait(0.05):  # run_ranks returned or failed first
                 return
         signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR1)
 
@@ -60,7 +60,7 @@ def test_interrupted_wait_kills_the_ranks(tmp_path: Path) -> None:
         with pytest.raises(_Interrupted):
             run_ranks(_block_forever, world, str(tmp_path))
     finally:
-        started.set()
+        returned.set()
         watcher.join()
         signal.signal(signal.SIGUSR1, previous)
     pids = [int((tmp_path / f"rank{r}").read_text()) for r in range(world)]
